@@ -1,0 +1,1 @@
+"""minite.kernels: Triton NVFP4 kernels (quantize, nvfp4_gemm, grouped_nvfp4_gemm)."""

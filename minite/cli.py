@@ -1,0 +1,48 @@
+"""``python -m minite <job> ...`` — the jobs the pipeline (and you) run.
+
+Each job lives in ``minite/jobs/<module>.py`` with ``add_args(parser)`` and ``run(args) -> int``; they are
+imported only when chosen, so ``--help`` stays fast and a missing optional backend fails only its job.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# job name -> (module under minite.jobs, one-line help)
+JOBS = {
+    "bench-learner": ("bench_learner", "learner throughput: tokens/s of complete learner updates"),
+    "diagnose": ("diagnose", "trainer/sampler mismatch, per-layer localisation, cause attribution"),
+    "sft": ("sft", "SFT warm start on the synthetic task (cached; shared by all arms)"),
+    "rl": ("rl", "long-horizon GRPO stability run (checkpoints, resumable)"),
+    "eval": ("evaluate", "held-out mean@k accuracy with the sampler engine"),
+    "kernel-bench": ("kernel_bench", "check and time the NVFP4 kernels (GPU)"),
+    "export-modelopt": ("export_modelopt", "write a ModelOpt-NVFP4 checkpoint that vLLM loads"),
+}
+
+
+def build_parser(load_jobs: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minite", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="job", metavar="JOB")
+    for name, (module, help_) in JOBS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if load_jobs == name:
+            importlib.import_module(f"minite.jobs.{module}").add_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    job = next((a for a in argv if not a.startswith("-")), None)
+    if job is not None and job not in JOBS:
+        build_parser().error(f"unknown job {job!r}; choose from {', '.join(JOBS)}")
+    args = build_parser(load_jobs=job).parse_args(argv)
+    if args.job is None:
+        build_parser().print_help()
+        return 2
+    module = importlib.import_module(f"minite.jobs.{JOBS[args.job][0]}")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""minite.diagnostics (see module docstrings)."""

@@ -1,0 +1,1 @@
+"""minite.engines (see module docstrings)."""

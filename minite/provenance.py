@@ -1,0 +1,113 @@
+"""Provenance and atomic writes: every result file carries (or sits beside) git sha, device, command, date.
+
+One writer per file, and no half-written results: everything goes to a temporary file in the same
+directory and is renamed into place only when complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def git_sha(short: bool = False) -> str:
+    """The checkout's commit (with '-dirty' when the tree has changes), or 'unknown' outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("MINITE_GIT_SHA", "unknown")
+    sha = sha[:12] if short else sha
+    return sha + ("-dirty" if dirty else "")
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    dev = torch.device(device) if device is not None else None
+    if (dev is None or dev.type == "cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev if dev is not None and dev.index is not None else 0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def provenance(device=None, command: list[str] | str | None = None) -> dict:
+    """The provenance block every result carries."""
+    if command is None:
+        command = [Path(sys.argv[0]).name if sys.argv[0] else "python"] + sys.argv[1:]
+        if sys.argv and sys.argv[0].endswith("__main__.py"):
+            command = ["python", "-m", "minite"] + sys.argv[1:]
+    if not isinstance(command, str):
+        command = shlex.join(command)
+    return {
+        "sha": git_sha(),
+        "device": device_name(device),
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, mode: str = "w"):
+    """Yield a temporary file object beside ``path``; rename it over ``path`` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path, obj, indent: int = 2) -> None:
+    with atomic_path(path) as f:
+        json.dump(obj, f, indent=indent, default=_json_default)
+        f.write("\n")
+
+
+def write_text(path, text: str) -> None:
+    with atomic_path(path) as f:
+        f.write(text)
+
+
+def write_csv(path, df) -> None:
+    """Write a pandas DataFrame atomically (no index)."""
+    with atomic_path(path) as f:
+        df.to_csv(f, index=False)
+
+
+def append_jsonl(path, record: dict) -> None:
+    """Append one JSON line and fsync (the stability log: a killed job loses at most the line in flight)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=_json_default) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json_default(o):
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")

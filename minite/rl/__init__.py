@@ -1,0 +1,1 @@
+"""minite.rl (see module docstrings)."""
