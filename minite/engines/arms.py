@@ -1,0 +1,179 @@
+"""Arms: plain YAML descriptions of both engines (configs/arms/*.yaml), loaded into frozen dataclasses.
+
+An arm says, for the trainer and for the sampler: precision (bf16 | nvfp4), how weights and activations are
+quantized (``QuantSpec``: formula, tile, scaling, and for fused q/k/v and gate/up weights whether the shards
+share one global scale or keep their own), which GEMM path runs (bf16 | emulated | kernel | te), which
+attention (HF sdpa | minite's batch-invariant one), which non-GEMM numerics (hf | vllm), and which modules
+stay in high precision. ``sync`` says what travels after each update: BF16 master weights (the sampler
+quantizes them itself) or the trainer's NVFP4 codes + scales (``sampler.weights: from_trainer``).
+
+Validation is two-layered: a JSON schema (configs/schemas/arm.schema.yaml) for shape and spelling, then
+``_check`` for combinations that cannot work. Both raise ``ArmError`` naming the file and the problem.
+``arm.override({"sampler.gemm": "kernel"})`` returns a modified, re-validated copy (used by attribution).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+ARMS_DIR = CONFIG_DIR / "arms"
+ARM_SCHEMA = CONFIG_DIR / "schemas" / "arm.schema.yaml"
+ARMS = ("bf16", "naive_te_nvfp4", "minite_nvfp4")
+
+
+class ArmError(ValueError):
+    """A malformed, unknown or impossible arm."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    formula: str                       # te | vllm | modelopt (minite.nvfp4 formulas)
+    tile: tuple[int, int]              # (1, 16) | (16, 16)
+    scaling: str                       # tensor | row | static
+    fused_shards: str = "per_shard"    # shared: one global scale over fused shards; per_shard: one each
+
+    def quantize_kwargs(self) -> dict:
+        return {"formula": self.formula, "tile": self.tile, "scaling": self.scaling}
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    precision: str                     # bf16 | nvfp4
+    gemm: str                          # bf16 | emulated | kernel | te
+    attention: str                     # sdpa | invariant
+    non_gemm: str                      # hf | vllm
+    high_precision: tuple[str, ...]    # embed_tokens, router, lm_head, first_layer, last_layer
+    weights: QuantSpec | str | None = None     # QuantSpec, "from_trainer" (sampler only) or None (bf16)
+    activations: QuantSpec | None = None
+    backward_rounding: str = "nearest"         # trainer gradients: nearest | stochastic
+    backward_rht: bool = False
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.precision == "nvfp4"
+
+    def keeps_high_precision(self, kind: str, layer: int | None = None, num_layers: int | None = None) -> bool:
+        """True if a module of this kind ('q_proj', 'experts', 'router', 'lm_head', ...) stays BF16."""
+        if not self.is_nvfp4 or kind in self.high_precision:
+            return True
+        if layer is not None and num_layers is not None:
+            if "first_layer" in self.high_precision and layer == 0:
+                return True
+            if "last_layer" in self.high_precision and layer == num_layers - 1:
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    description: str
+    sync: str                          # bf16 | nvfp4_codes
+    trainer: EngineRecipe
+    sampler: EngineRecipe
+    calibration_batches: int = 1
+    raw: dict | None = None            # the validated YAML, for provenance and overrides
+
+    def override(self, changes: dict[str, object], name: str | None = None) -> "Arm":
+        """A copy with dotted-path fields replaced, e.g. {"sampler.activations": {...}}; re-validated."""
+        raw = copy.deepcopy(self.raw)
+        for path, value in changes.items():
+            node = raw
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            if value is None:
+                node.pop(leaf, None)
+            else:
+                node[leaf] = copy.deepcopy(value)
+        raw["name"] = name or raw["name"]
+        return arm_from_dict(raw, source=f"{self.name} + {changes}")
+
+
+def _quant(d) -> QuantSpec | str | None:
+    if d is None or isinstance(d, str):
+        return d
+    return QuantSpec(d["formula"], tuple(d["tile"]), d["scaling"], d.get("fused_shards", "per_shard"))
+
+
+def _engine(d: dict) -> EngineRecipe:
+    bw = d.get("backward", {})
+    return EngineRecipe(
+        precision=d["precision"], gemm=d["gemm"], attention=d["attention"], non_gemm=d["non_gemm"],
+        high_precision=tuple(d["high_precision"]), weights=_quant(d.get("weights")),
+        activations=_quant(d.get("activations")), backward_rounding=bw.get("rounding", "nearest"),
+        backward_rht=bool(bw.get("rht", False)))
+
+
+def _check(arm: Arm) -> None:
+    """Combinations that cannot work (the schema checks spelling and shape)."""
+    for role in ("trainer", "sampler"):
+        e: EngineRecipe = getattr(arm, role)
+        if e.is_nvfp4:
+            if e.gemm == "bf16":
+                raise ArmError(f"{role}: precision nvfp4 needs gemm emulated, kernel or te, not bf16")
+            if e.weights is None or e.activations is None:
+                raise ArmError(f"{role}: precision nvfp4 needs both weights and activations specs")
+        else:
+            if e.weights is not None or e.activations is not None or e.gemm != "bf16":
+                raise ArmError(f"{role}: precision bf16 takes gemm bf16 and no weights/activations specs")
+        if isinstance(e.weights, str) and role == "trainer":
+            raise ArmError("trainer.weights cannot be 'from_trainer'")
+        if isinstance(e.activations, QuantSpec) and e.activations.tile != (1, 16):
+            raise ArmError(f"{role}: activations are quantized in 1x16 blocks along K, not {e.activations.tile}")
+        if e.gemm == "te" and role == "sampler":
+            raise ArmError("sampler: gemm te is a trainer backend (Transformer Engine)")
+        if isinstance(e.activations, QuantSpec) and e.activations.scaling == "static" and role == "trainer":
+            raise ArmError("trainer: static activation scales are a serving (sampler) feature")
+        for spec in (e.weights, e.activations):
+            if isinstance(spec, QuantSpec) and spec.scaling == "row" and spec.tile == (16, 16):
+                raise ArmError(f"{role}: row scaling cannot share 16x16 tiles")
+    if arm.sync == "nvfp4_codes":
+        if not (arm.trainer.is_nvfp4 and arm.sampler.is_nvfp4):
+            raise ArmError("sync nvfp4_codes needs both engines in nvfp4")
+        if arm.sampler.weights != "from_trainer":
+            raise ArmError("sync nvfp4_codes ships the trainer's codes: set sampler.weights: from_trainer")
+        if set(arm.trainer.high_precision) != set(arm.sampler.high_precision):
+            raise ArmError("sync nvfp4_codes: both engines must keep the same modules in high precision "
+                           "(the sampler cannot use codes the trainer never made)")
+    elif arm.sampler.weights == "from_trainer":
+        raise ArmError("sampler.weights: from_trainer needs sync: nvfp4_codes")
+
+
+def arm_from_dict(raw: dict, source: str = "<dict>") -> Arm:
+    schema = yaml.safe_load(ARM_SCHEMA.read_text())
+    try:
+        jsonschema.validate(raw, schema)
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise ArmError(f"arm {source}: {where}: {e.message}") from None
+    arm = Arm(name=raw["name"], description=raw.get("description", ""), sync=raw["sync"],
+              trainer=_engine(raw["trainer"]), sampler=_engine(raw["sampler"]),
+              calibration_batches=raw.get("calibration", {}).get("batches", 1), raw=raw)
+    try:
+        _check(arm)
+    except ArmError as e:
+        raise ArmError(f"arm {source}: {e}") from None
+    return arm
+
+
+def load_arm(name_or_path: str | Path) -> Arm:
+    """Load configs/arms/<name>.yaml, or a YAML file path. Unknown names list the known ones."""
+    p = Path(name_or_path)
+    if p.suffix not in (".yaml", ".yml"):
+        p = ARMS_DIR / f"{name_or_path}.yaml"
+    if not p.is_file():
+        known = sorted(f.stem for f in ARMS_DIR.glob("*.yaml"))
+        raise ArmError(f"unknown arm {str(name_or_path)!r}; known arms: {', '.join(known)}")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ArmError(f"arm {p}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ArmError(f"arm {p}: expected a mapping at the top level")
+    return arm_from_dict(raw, source=str(p))

@@ -1,0 +1,63 @@
+"""The forward NVFP4 linear both engines call: quantize the activation per recipe, then one GEMM path.
+
+GEMM paths (``EngineRecipe.gemm``):
+    "emulated"  what TE on Hopper and vLLM's NVFP4 emulation do without FP4 tensor cores: dequantize both
+                operands to BF16, then a BF16 matmul (cuBLAS on GPU). Its reduction order depends on M.
+    "kernel"    minite's W4A4 kernel (``minite.kernels.nvfp4_gemm``): exact block products, fp32 accumulate,
+                one fixed K order — batch-invariant, so trainer (M = tokens) and sampler (M = 1 per decode
+                step) get bitwise-identical rows. On CPU it is an exact float64-accumulation path.
+    "bf16"      plain BF16 matmul (no quantization).
+(The trainer's "te" path lives in ``minite.engines.te_backend`` and needs Transformer Engine.)
+
+Activations are always 2D-flattened [tokens, K] and quantized in 1x16 blocks along K.
+"""
+from __future__ import annotations
+
+import torch
+
+from minite import nvfp4
+from minite.engines.arms import QuantSpec
+
+try:  # minite.kernels is optional at import time (it needs nothing, but keep engines importable alone)
+    from minite import kernels as _kernels
+except ImportError:  # pragma: no cover
+    _kernels = None
+
+
+def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
+                        check: bool = False) -> nvfp4.NVFP4Tensor:
+    """Quantize [tokens, K] activations. ``static_scale``: the calibrated amax ("te"/"modelopt") or vLLM's
+    encode scale G ("vllm") when ``spec.scaling == "static"``."""
+    kw = spec.quantize_kwargs()
+    if spec.scaling == "static":
+        if static_scale is None:
+            raise ValueError("static activation scaling needs a calibrated scale; run calibration first")
+        kw["global_encode_scale" if spec.formula == "vllm" else "amax"] = static_scale
+    fast = getattr(_kernels, "quantize", None)
+    if fast is not None and spec.formula == "te" and x2d.is_cuda:
+        return fast(x2d, **kw)
+    return nvfp4.quantize(x2d, check=check, **kw)
+
+
+def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """a @ w.T on the chosen path."""
+    if gemm == "emulated":
+        return torch.matmul(nvfp4.dequantize(a).to(torch.bfloat16), nvfp4.dequantize(w).to(torch.bfloat16).T
+                            ).to(out_dtype)
+    if gemm == "kernel":
+        fn = getattr(_kernels, "nvfp4_gemm", None)
+        if fn is not None:
+            return fn(a, w, out_dtype=out_dtype)
+        return nvfp4.nvfp4_matmul_reference(a, w).to(out_dtype)  # exact, hence batch-invariant
+    raise ValueError(f"unknown NVFP4 GEMM path {gemm!r} (emulated | kernel)")
+
+
+def nvfp4_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, act: QuantSpec, gemm: str,
+                 static_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [..., K] with an already-quantized weight [N, K]; returns x.dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    a = quantize_activation(x.reshape(-1, k), act, static_scale)
+    y = nvfp4_gemm(a, w, gemm, out_dtype=torch.float32)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, w.shape[0])
