@@ -1,0 +1,141 @@
+"""Token-level trainer/sampler mismatch: the numbers RL frameworks log, computed one way, in float64.
+
+Inputs: ``logp_s`` (the sampler's log-prob of each sampled token, what it sampled from), ``logp_t`` (the
+trainer's teacher-forced log-prob of the same token, same weights) and a response ``mask`` (1 on the tokens
+that are scored), all [B, T] and aligned on token positions. With r = logp_t - logp_s (the per-token log
+importance ratio log pi_train / pi_rollout), means are over all masked tokens of the batch (token-mean):
+
+    k1                    mean(logp_s - logp_t)             = -mean(r). Direct estimator of KL(pi_s || pi_t).
+                          verl ``rollout_corr/kl`` (verl/trainer/ppo/rollout_corr_helper.py,
+                          ``compute_offpolicy_metrics``: masked_mean(rollout_log_prob - old_log_prob)).
+    k3                    mean(exp(r) - r - 1) >= 0. Schulman's k3 estimator of the same KL, unbiased and
+                          never negative. verl ``rollout_corr/k3_kl`` (same function).
+    chi2                  mean(exp(2 r)) - 1: token-level chi^2(pi_t || pi_s), the variance of the IS weight.
+                          verl ``rollout_corr/chi2_token`` (r clamped to +-20 as verl's SAFETY_BOUND does).
+    chi2_seq              mean_b(exp(2 sum_t r)) - 1, verl ``rollout_corr/chi2_seq`` (sum clamped to +-20).
+    token_mult_prob_error mean(exp(|logp_t - logp_s|)) >= 1. NeMo-RL ``token_mult_prob_error``
+                          (nemo_rl/algorithms/loss_functions.py, ClippedPGLossFn: masked_mean(exp(|gen - prev|)));
+                          1.0 means identical engines.
+    mean_abs_dlogp, max_abs_dlogp
+                          mean / max |logp_t - logp_s|: TRL GRPOTrainer ``sampling/sampling_logp_difference/
+                          {mean,max}`` (trl/trainer/grpo_trainer.py, vLLM importance-sampling correction).
+    mean_abs_dp, max_abs_dp, std_abs_dp
+                          |p_t - p_s| with p = exp(logp): verl ``training/rollout_probs_diff_{mean,max,std}``
+                          (verl/utils/debug/metrics.py, ``calculate_debug_metrics``).
+    pearson_p             Pearson correlation of p_t and p_s over masked tokens: verl
+                          ``training/rollout_actor_probs_pearson_corr``. Defined as 1.0 when both vectors are
+                          identical (also when constant) and None (JSON null) when one is constant and they differ.
+    frac_dlogp_gt_0.1     fraction of tokens with |logp_t - logp_s| > 0.1 (a ~10% probability error).
+    sequence level        per sequence R_b = sum_t r (the log sequence IS weight): seq_mean_abs_log_ratio and
+                          seq_max_abs_log_ratio = mean_b / max_b |R_b|; verl's log_ppl_diff family
+                          (mean_t logp_s - mean_t logp_t per sequence: log_ppl_diff, log_ppl_abs_diff,
+                          log_ppl_diff_max, log_ppl_diff_min) and the two engines' log-perplexities
+                          (training_log_ppl, rollout_log_ppl: mean over sequences of -mean_t logp).
+
+Errors: mismatched shapes, an empty mask, or a NaN/Inf log-prob on a masked token raise ``ValueError``
+(a non-finite log-prob would silently poison every mean).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: verl's clamp on log ratios before exponentiating (rollout_corr_helper.SAFETY_BOUND).
+SAFETY_BOUND = 20.0
+#: |dlogp| threshold for ``frac_dlogp_gt_0.1``.
+DLOGP_THRESHOLD = 0.1
+#: The keys every mismatch.json carries (the issue's contract); the rest are extras.
+CORE_KEYS = ("k1", "k3", "chi2", "token_mult_prob_error", "max_abs_dp", "mean_abs_dp", "pearson_p",
+             "frac_dlogp_gt_0.1", "n_tokens")
+
+
+def _as_f64(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected [B, T] (or [T]), got shape {tuple(t.shape)}")
+    return t.detach().to("cpu", torch.float64)
+
+
+def align_trainer_logprobs(logp_t: torch.Tensor) -> torch.Tensor:
+    """Trainer log-probs [B, T-1] (of tokens 1..T-1) -> [B, T] on token positions (0 at position 0),
+    the layout of the sampler's ``out.logprobs``."""
+    return torch.nn.functional.pad(torch.as_tensor(logp_t), (1, 0))
+
+
+def mismatch_metrics(logp_s, logp_t, mask) -> dict:
+    """All token- and sequence-level mismatch statistics (see module docstring) as plain floats."""
+    ls, lt = _as_f64(logp_s, "logp_s"), _as_f64(logp_t, "logp_t")
+    m = _as_f64(mask, "mask") != 0
+    if ls.shape != lt.shape or ls.shape != m.shape:
+        raise ValueError(f"shape mismatch: logp_s {tuple(ls.shape)}, logp_t {tuple(lt.shape)}, "
+                         f"mask {tuple(m.shape)}")
+    n = int(m.sum())
+    if n == 0:
+        raise ValueError("the response mask selects no token")
+    for name, t in (("logp_s", ls), ("logp_t", lt)):
+        bad = ~torch.isfinite(t) & m
+        if bad.any():
+            b, pos = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{name} is not finite at a masked token (sequence {b}, position {pos}): "
+                             f"{t[b, pos].item()}")
+    if (ls[m] > 1e-9).any() or (lt[m] > 1e-9).any():
+        raise ValueError("log-probs must be <= 0 (got a positive value: are these logits?)")
+
+    r = (lt - ls)[m]                       # log pi_t / pi_s on masked tokens, flattened
+    abs_r = r.abs()
+    p_t, p_s = lt[m].exp(), ls[m].exp()
+    abs_dp = (p_t - p_s).abs()
+    rc = r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+
+    out = {
+        "n_tokens": n,
+        "n_sequences": int(m.any(dim=1).sum()),
+        "k1": float((-r).mean()),
+        "k3": float((r.exp() - r - 1).mean()),
+        "chi2": float((2 * rc).exp().mean() - 1),
+        "token_mult_prob_error": float(abs_r.exp().mean()),
+        "mean_abs_dlogp": float(abs_r.mean()),
+        "max_abs_dlogp": float(abs_r.max()),
+        "max_abs_dp": float(abs_dp.max()),
+        "mean_abs_dp": float(abs_dp.mean()),
+        "std_abs_dp": float(abs_dp.std()) if n > 1 else 0.0,
+        "pearson_p": _pearson(p_t, p_s),
+        f"frac_dlogp_gt_{DLOGP_THRESHOLD}": float((abs_r > DLOGP_THRESHOLD).double().mean()),
+    }
+    out.update(_sequence_stats(ls, lt, m))
+    return out
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    if torch.equal(a, b):
+        return 1.0
+    da, db = a - a.mean(), b - b.mean()
+    den = math.sqrt(float((da * da).sum()) * float((db * db).sum()))
+    if den == 0.0:
+        return None                         # one side constant, the other not: undefined
+    return float((da * db).sum()) / den
+
+
+def _sequence_stats(ls: torch.Tensor, lt: torch.Tensor, m: torch.Tensor) -> dict:
+    rows = m.any(dim=1)
+    ls, lt = ls.where(m, 0.0)[rows], lt.where(m, 0.0)[rows]   # masked slots may hold NaN padding
+    mf = m[rows].double()
+    cnt = mf.sum(1)
+    seq_r = ((lt - ls) * mf).sum(1)                          # log sequence IS weight per sequence
+    mean_s, mean_t = (ls * mf).sum(1) / cnt, (lt * mf).sum(1) / cnt
+    log_ppl_diff = mean_s - mean_t                           # verl: log(training_ppl / rollout_ppl)
+    seq_rc = seq_r.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {
+        "seq_mean_abs_log_ratio": float(seq_r.abs().mean()),
+        "seq_max_abs_log_ratio": float(seq_r.abs().max()),
+        "chi2_seq": float((2 * seq_rc).exp().mean() - 1),
+        "log_ppl_diff": float(log_ppl_diff.mean()),
+        "log_ppl_abs_diff": float(log_ppl_diff.abs().mean()),
+        "log_ppl_diff_max": float(log_ppl_diff.max()),
+        "log_ppl_diff_min": float(log_ppl_diff.min()),
+        "training_log_ppl": float((-mean_t).mean()),
+        "rollout_log_ppl": float((-mean_s).mean()),
+    }
