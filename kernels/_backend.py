@@ -1,0 +1,69 @@
+"""Backend choice for minite.kernels: Triton (GPU, or CPU under TRITON_INTERPRET=1) or pure PyTorch.
+
+Rules (one place, so every entry point agrees):
+    backend=None/"auto"  MINITE_KERNELS_BACKEND if set, else Triton for CUDA tensors (when Triton imports)
+                         and PyTorch for CPU tensors (the engines call us on CPU too and must stay fast).
+    backend="triton"     Triton; CPU tensors run under the interpreter (TRITON_INTERPRET=1 must be set before
+                         triton is imported; tests/conftest.py does that on machines without CUDA).
+    backend="torch"      the pure-PyTorch path.
+Without Triton everything falls back to PyTorch; an explicit "triton" request then warns once, clearly.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve(backend: str | None, device: torch.device) -> str:
+    """'triton' or 'torch' for tensors on ``device``."""
+    if backend is None:
+        backend = os.environ.get("MINITE_KERNELS_BACKEND", "auto") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    ok, why = triton_available()
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if (device.type == "cuda" and ok) else "torch"
+    # explicit triton
+    if not ok:
+        _warn_once(f"minite.kernels: backend='triton' requested but Triton is not importable ({why}); "
+                   "using the pure-PyTorch path")
+        return "torch"
+    if device.type == "cpu" and not interpreter_on():
+        raise RuntimeError("minite.kernels: backend='triton' on CPU tensors needs the Triton interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported (or use backend='torch')")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"minite.kernels: no Triton path for device {device}")
+    return "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, (0, 0) for CPU (kept as a function so tests can mock it)."""
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)

@@ -1,0 +1,109 @@
+"""The Hopper (and interpreter) NVFP4 GEMM kernel: decode to fp16 in registers, tensor-core dot, fp32 acc.
+
+Decode, exact in fp16 (no rounding anywhere before the accumulator):
+    element  fp16 bits (sign << 15) | (mag << 9)  ==  e2m1 * 2**-14         (E2M1's layout inside fp16's)
+    scale    fp16 bits (e4m3 & 0x7F) << 7         ==  scale * 2**-8, then * 256 (power of two: exact)
+    product  e2m1 * 2**-14 * scale: a multiple of 2**-24 below 2**-2, representable in fp16 exactly.
+So each operand carries 2**-14; the epilogue multiplies the fp32 accumulator by 2**28 (exact), then by the
+A and W global scales (scalar or per row), then adds the bias, then casts.
+
+K order: each BK=128 step splits into the 64 even-K elements (low nibbles) and the 64 odd ones (high
+nibbles): two dots, acc = dot(a_lo, w_lo^T, acc); acc = dot(a_hi, w_hi^T, acc). Both operands use the same
+permutation, so the sum is a @ w.T; the order (k16 pieces: evens of step 0, odds of step 0, evens of step 1,
+...) is fixed for every tile shape, and there is no split-K: row i's bits do not depend on M.
+Grouped (MoE): one launch; axis 0 walks a device-side tile schedule (expert, first row) built without a host
+sync; tiles past the real count exit at once.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BK = 128  # K step, fixed for every config: part of the batch-invariance contract
+
+
+@triton.jit
+def _decode(c_ptrs, s_ptrs, cmask, smask):
+    """Load [R, BK/16, 8] packed codes and [R, BK/16] scales -> (lo, hi) fp16 [R, BK/2], value*2**-14."""
+    c = tl.load(c_ptrs, mask=cmask, other=0).to(tl.int32)
+    s = tl.load(s_ptrs, mask=smask, other=0).to(tl.int32)
+    sf = ((s << 7).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)[:, :, None]
+    lo = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
+    lo = (lo * sf).to(tl.float16)
+    hi = (hi * sf).to(tl.float16)
+    r: tl.constexpr = lo.shape[0]
+    kh: tl.constexpr = lo.shape[1] * lo.shape[2]
+    return tl.reshape(lo, (r, kh)), tl.reshape(hi, (r, kh))
+
+
+@triton.jit
+def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_ptr, out_ptr,
+                    tile_expert_ptr, tile_row_ptr, offsets_ptr,
+                    M, N, K, n_tiles_m,
+                    w_estride_c, w_estride_s, gw_estride,
+                    GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    kh = K // 2
+    ks = K // 16
+    if GROUPED:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(tile_expert_ptr + pid_m)
+        if e < 0:
+            return
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(offsets_ptr + e + 1)
+        w_codes += e.to(tl.int64) * w_estride_c
+        w_scales += e.to(tl.int64) * w_estride_s
+        gw_ptr += e.to(tl.int64) * gw_estride
+    else:  # grouped ordering of a 1D grid: GROUP_M row tiles share each weight tile while it is in L2
+        pid = tl.program_id(0)
+        n_tiles_n = tl.cdiv(N, BN)
+        width = GROUP_M * n_tiles_n
+        first_m = (pid // width) * GROUP_M
+        gsize = tl.minimum(n_tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gsize
+        pid_n = (pid % width) // gsize
+        row0 = pid_m * BM
+        row_end = M
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < row_end
+    nmask = cols < N
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    j = tl.arange(0, BK // 16)
+    t = tl.arange(0, 8)
+    jt = j[:, None] * 8 + t[None, :]  # byte offset inside the step, [BK/16, 8]
+    a_c = a_codes + rows64[:, None, None] * kh + jt[None, :, :]
+    w_c = w_codes + cols64[:, None, None] * kh + jt[None, :, :]
+    a_s = a_scales + rows64[:, None] * ks + j[None, :]
+    w_s = w_scales + cols64[:, None] * ks + j[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 // 16 + j) < ks
+        a_lo, a_hi = _decode(a_c, a_s, rmask[:, None, None] & kmask[None, :, None],
+                             rmask[:, None] & kmask[None, :])
+        w_lo, w_hi = _decode(w_c, w_s, nmask[:, None, None] & kmask[None, :, None],
+                             nmask[:, None] & kmask[None, :])
+        acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+        acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+        a_c += BK // 2
+        w_c += BK // 2
+        a_s += BK // 16
+        w_s += BK // 16
+    out = acc * 268435456.0  # 2**28: the two 2**-14 decode factors
+    if GA_ROW:
+        out = out * tl.load(ga_ptr + rows, mask=rmask, other=0.0)[:, None]
+    else:
+        out = out * tl.load(ga_ptr)
+    if GW_ROW:
+        out = out * tl.load(gw_ptr + cols, mask=nmask, other=0.0)[None, :]
+    else:
+        out = out * tl.load(gw_ptr)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + rows64[:, None] * N + cols64[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])

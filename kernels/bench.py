@@ -1,0 +1,243 @@
+"""``python -m minite.kernels.bench`` / ``python -m minite kernel-bench``: check, then time, the NVFP4 kernels.
+
+Checks first (GPU): quantizer bit-exactness vs minite.nvfp4 in every mode, GEMM vs nvfp4_matmul_reference
+(rel. error in fp32 output), batch invariance (a row alone == the same row inside M=16384, across the M
+configs), determinism (two runs), grouped GEMM vs per-expert reference. Then timings, providers side by side
+in the same run: cuBLAS bf16 (torch.matmul), fp8 torch._scaled_mm, naive emulation (dequantize both to bf16,
+then matmul), torch._grouped_mm bf16 (MoE), ours. Medians from triton.testing (CUDA-graph replays by default,
+so Python launch overhead is out of every provider's numbers; --no-graph uses do_bench), inputs rotated over
+copies larger than L2. Writes long-format CSV + a markdown summary, both with provenance.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from minite import nvfp4 as ref
+from minite.provenance import provenance, write_csv, write_text
+
+from . import checks
+from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
+from .quantize import quantize
+
+L2_BYTES = 60 * 2 ** 20
+# Qwen3-30B-A3B projections (hidden 2048) as (name, N, K), plus a square one
+SHAPES = [("q_proj", 4096, 2048), ("k_proj", 512, 2048), ("v_proj", 512, 2048), ("o_proj", 2048, 4096),
+          ("expert_gate_up", 768, 2048), ("expert_down", 2048, 768), ("router", 128, 2048),
+          ("square8192", 8192, 8192)]
+MS = [1, 16, 128, 1024, 4096, 16384]
+QUICK_SHAPES = [("q_proj", 4096, 2048), ("square8192", 8192, 8192)]
+QUICK_MS = [1, 16, 4096]
+GROUPED = [("moe_gate_up", 768, 2048), ("moe_down", 2048, 768)]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="results/h200/kernels.csv", help="long-format CSV (the .md goes beside)")
+    p.add_argument("--quick", action="store_true", help="few shapes")
+    p.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA-graph replays")
+    p.add_argument("--rep", type=float, default=60.0, help="ms of timed repeats per point")
+    p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time alternative tile configs of ours")
+
+
+class Timer:
+    def __init__(self, graph: bool, rep: float):
+        import triton.testing as tt
+        self.tt, self.graph, self.rep = tt, graph, rep
+
+    def __call__(self, make, nbytes: int):
+        """make(i) -> zero-arg callable on input copy i; copies rotate so the working set exceeds L2."""
+        n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / max(1, nbytes))))
+        fns = [make(i) for i in range(n_rot)]
+        for f in fns:  # warm-up: compile, autotune-free, allocator settled
+            f()
+        torch.cuda.synchronize()
+        cyc = itertools.cycle(fns)
+
+        def step():
+            next(cyc)()
+        reps = max(n_rot, 1)
+        if self.graph:
+            return self.tt.do_bench_cudagraph(lambda: [step() for _ in range(reps)], rep=self.rep,
+                                              return_mode="median") / reps
+        return self.tt.do_bench(step, warmup=25, rep=self.rep, return_mode="median")
+
+
+def _naive_deq(t, table):
+    m = t.codes.shape[0]
+    lo, hi = t.codes & 0xF, t.codes >> 4
+    vals = table[torch.stack([lo, hi], -1).view(m, -1).long()].view(m, -1, 16)
+    blk = vals * t.scales.to(torch.float32)[..., None]
+    g = t.global_scale
+    return (blk * (g if g.dim() == 0 else g[:, None, None])).view(m, -1).to(torch.bfloat16)
+
+
+def _copies(obj, n):
+    """obj and n-1 clones (a tensor, an NVFP4Tensor or an NVFP4Experts): distinct addresses to rotate over."""
+    def clone(o):
+        if isinstance(o, torch.Tensor):
+            return o.clone()
+        return type(o)(o.codes.clone(), o.scales.clone(), o.global_scale.clone())
+    return [obj] + [clone(obj) for _ in range(n - 1)]
+
+
+def _nbytes(*ts):
+    tot = 0
+    for t in ts:
+        if isinstance(t, torch.Tensor):
+            tot += t.numel() * t.element_size()
+        else:
+            tot += _nbytes(t.codes, t.scales, t.global_scale)
+    return tot
+
+
+def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
+    x = torch.randn(m, k, device=dev)
+    w32 = torch.randn(n, k, device=dev)
+    a, w = quantize(x, scaling="row"), quantize(w32)
+    a16, w16 = ref.dequantize(a).bfloat16(), ref.dequantize(w).bfloat16()
+    table = torch.tensor(ref.E2M1_VALUES, device=dev)
+    flops = 2.0 * m * n * k
+    out_b = m * n * 2
+    mp = max(m, 16)  # _scaled_mm wants M % 16 == 0
+    a8 = torch.zeros(mp, k, device=dev, dtype=torch.float8_e4m3fn)
+    a8[:m] = (a16.float() / a16.float().abs().amax() * 400).to(torch.float8_e4m3fn)
+    w8 = (w16.float() / w16.float().abs().amax() * 400).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    per_set = {
+        "cublas_bf16": _nbytes(a16, w16) + out_b,
+        "fp8_scaled_mm": _nbytes(a8, w8) + mp * n * 2,
+        "naive_emulation": _nbytes(a, w) + out_b,
+        "ours": _nbytes(a, w) + out_b,
+    }
+
+    def mk(provider, cfg=None):
+        n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set[provider])))
+        if provider == "cublas_bf16":
+            sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
+            return lambda i: (lambda s=sets[i]: torch.matmul(s[0], s[1].T))
+        if provider == "fp8_scaled_mm":
+            sets = list(zip(_copies(a8, n_rot), _copies(w8, n_rot)))
+            return lambda i: (lambda s=sets[i]: torch._scaled_mm(s[0], s[1].t(), scale_a=one, scale_b=one,
+                                                                 out_dtype=torch.bfloat16))
+        sets = list(zip(_copies(a, n_rot), _copies(w, n_rot)))
+        if provider == "naive_emulation":
+            return lambda i: (lambda s=sets[i]: _naive_deq(s[0], table) @ _naive_deq(s[1], table).T)
+        return lambda i: (lambda s=sets[i]: nvfp4_gemm(s[0], s[1], config=cfg))
+
+    providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours"]
+    cfgs = [(p, None) for p in providers]
+    if sweep:
+        cfgs += [("ours", c) for c in SWEEP_CONFIGS]
+    for provider, cfg in cfgs:
+        label = provider if cfg is None else "ours:" + _cfg_name(cfg)
+        try:
+            ms = timer(mk(provider, cfg), per_set[provider])
+        except Exception as exc:  # record, keep going: one provider's failure must not lose the run
+            print(f"  {label} {name} M={m}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            ms = float("nan")
+        rows.append(dict(kernel="gemm", provider=label, shape=name, M=m, N=n, K=k, median_ms=ms,
+                         tflops=flops / ms / 1e9, gbps=per_set[provider] / ms / 1e6, device=devname, sha=sha))
+        print(f"  {name:15s} M={m:6d} {label:28s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
+
+
+def _cfg_name(c):
+    return f"{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
+
+
+SWEEP_CONFIGS = [
+    dict(BM=64, BN=32, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BM=64, BN=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=6),
+    dict(BM=128, BN=128, GROUP_M=8, num_warps=4, num_stages=3),
+    dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=2),
+    dict(BM=256, BN=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=3),
+]
+
+
+def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> torch.Tensor:
+    """Random top-k routing -> per-expert row counts rounded to a multiple of ``align`` -> offsets [E+1]."""
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=g)
+    counts = torch.bincount(logits.topk(top_k, dim=1).indices.flatten(), minlength=experts)
+    counts = (counts + align // 2) // align * align
+    return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
+
+
+def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname):
+    e, top_k = 128, 8
+    offs = moe_offsets(tokens, e, top_k, dev)
+    m = int(offs[-1])
+    a = quantize(torch.randn(m, k, device=dev), scaling="row")
+    ws = stack_experts([quantize(torch.randn(n, k, device=dev)) for _ in range(e)])
+    a16 = ref.dequantize(a).bfloat16()
+    w16 = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16)
+    offs32 = offs[1:].to(torch.int32)
+    flops = 2.0 * m * n * k
+    per_set = {"grouped_mm_bf16": _nbytes(a16, w16) + m * n * 2, "ours": _nbytes(a, ws.codes, ws.scales) + m * n * 2}
+
+    def mk(provider):
+        n_rot = max(1, min(16, math.ceil(2 * L2_BYTES / per_set[provider])))
+        if provider == "grouped_mm_bf16":
+            sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
+            return lambda i: (lambda s=sets[i]: torch._grouped_mm(s[0], s[1].transpose(-2, -1), offs=offs32))
+        sets = list(zip(_copies(a, n_rot), _copies(ws, n_rot)))
+        return lambda i: (lambda s=sets[i]: grouped_nvfp4_gemm(s[0], s[1], offs))
+
+    for provider in ("grouped_mm_bf16", "ours"):
+        try:
+            ms = timer(mk(provider), per_set[provider])
+        except Exception as exc:
+            print(f"  {provider} {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            ms = float("nan")
+        rows.append(dict(kernel="grouped_gemm", provider=provider, shape=f"{name}_E{e}top{top_k}_T{tokens}",
+                         M=m, N=n, K=k, median_ms=ms, tflops=flops / ms / 1e9,
+                         gbps=per_set[provider] / ms / 1e6, device=devname, sha=sha))
+        print(f"  {name:15s} T={tokens:6d} M={m:6d} {provider:16s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s",
+              flush=True)
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("kernel-bench needs a CUDA GPU (none visible)", file=sys.stderr)
+        return 2
+    import pandas as pd
+    dev = torch.device("cuda")
+    prov = provenance(dev)
+    torch.manual_seed(0)
+    check_lines = [] if args.skip_checks else checks.run_all(dev)
+    timer = Timer(graph=not args.no_graph, rep=args.rep)
+    rows: list[dict] = []
+    shapes, ms_list = (QUICK_SHAPES, QUICK_MS) if args.quick else (SHAPES, MS)
+    for name, n, k in shapes:
+        for m in ms_list:
+            bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"],
+                        args.sweep and name == "square8192")
+    for tokens in ([16384] if args.quick else [4096, 16384]):
+        for name, n, k in GROUPED:
+            bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"])
+    df = pd.DataFrame(rows)
+    for key in ("command", "date"):
+        df[key] = prov[key]
+    out = Path(args.out)
+    write_csv(out, df)
+    from .report import summary
+    write_text(out.with_suffix(".md"), summary(df, prov, check_lines, timer_kind="CUDA-graph replays (triton.testing.do_bench_cudagraph)" if timer.graph else "triton.testing.do_bench"))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minite.kernels.bench", description=__doc__.splitlines()[0])
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Correctness checks shared by the bench (GPU, before timing) and the GPU tests: each returns a list of
+(name, ok, detail) and never raises on a wrong answer (the caller decides)."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from minite import nvfp4 as ref
+
+from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
+from .quantize import quantize
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp_min(1e-300))
+
+
+def spread_input(m: int, k: int, device, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    """Random rows over 12 decades, a zero block, a tiny block next to an outlier (subnormal E4M3 scales)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 6, m)[:, None]
+    if k >= 48:
+        x[:, :16] = 0
+        x[:, 16:32] *= 1e-6
+        x[:, 32] = 1e3 * x[:, 32].abs().clamp_min(1)
+    return x.to(device=device, dtype=dtype)
+
+
+def check_quantize(device, backend=None, shapes=((67, 2048), (5, 784))):
+    res = []
+    for (m, k), dtype in itertools.product(shapes, (torch.float32, torch.bfloat16)):
+        x = spread_input(m, k, device, dtype, seed=m + k)
+        for scaling, rounding, rht in itertools.product(("tensor", "row", "static"), ("nearest", "stochastic"),
+                                                        (False, True)):
+            kw = dict(scaling=scaling, rounding=rounding, rht=rht, amax=3.5 if scaling == "static" else None)
+            g1 = torch.Generator(device="cpu").manual_seed(7)
+            g2 = torch.Generator(device="cpu").manual_seed(7)
+            q = quantize(x, generator=g1, backend=backend, **kw)
+            r = ref.quantize(x, generator=g2, **kw)
+            ok = (torch.equal(q.codes, r.codes) and torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
+                  and q.global_scale.shape == r.global_scale.shape
+                  and torch.equal(q.global_scale, r.global_scale))
+            res.append((f"quantize {m}x{k} {str(dtype)[6:]} {scaling} {rounding} rht={rht}", ok,
+                        "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
+    return res
+
+
+def check_gemm(device, backend=None, shapes=((300, 520, 2064), (1, 64, 128), (17, 4096, 2048))):
+    res = []
+    for m, n, k in shapes:
+        a = quantize(spread_input(m, k, device, seed=1), scaling="row")
+        w = quantize(torch.randn(n, k, device=device) * 0.02)
+        r = ref.nvfp4_matmul_reference(a, w)
+        bias = torch.randn(n, device=device)
+        o = nvfp4_gemm(a, w, out_dtype=torch.float32, backend=backend)
+        e = rel_err(o, r)
+        res.append((f"gemm {m}x{n}x{k} fp32 vs reference", e < 1e-5, f"rel err {e:.2e}"))
+        a = quantize(torch.randn(m, k, device=device), scaling="row")  # fp16 output must not overflow
+        r = ref.nvfp4_matmul_reference(a, w)
+        for dt in (torch.bfloat16, torch.float16):
+            o = nvfp4_gemm(a, w, out_dtype=dt, bias=bias, backend=backend)
+            e = rel_err(o, r + bias)
+            res.append((f"gemm {m}x{n}x{k} {str(dt)[6:]}+bias", e < 1e-2 and o.dtype == dt, f"rel err {e:.2e}"))
+    return res
+
+
+def check_batch_invariance(device, backend=None, m_big=16384, n=1024, k=2048):
+    """A row computed alone (M=1), inside small/medium batches, and inside M=m_big: bitwise equal; two
+    runs bitwise equal."""
+    res = []
+    a = quantize(torch.randn(m_big, k, device=device), scaling="row")
+    w = quantize(torch.randn(n, k, device=device))
+    for dt in (torch.float32, torch.bfloat16):
+        full = nvfp4_gemm(a, w, out_dtype=dt, backend=backend)
+        again = nvfp4_gemm(a, w, out_dtype=dt, backend=backend)
+        res.append((f"determinism M={m_big} {str(dt)[6:]}", torch.equal(full, again), "two runs"))
+        bad = []
+        for lo, size in ((0, 1), (5, 1), (m_big - 1, 1), (0, 16), (100, 64), (3, 1000), (0, 4096)):
+            if lo + size > m_big:
+                continue
+            sub = ref.NVFP4Tensor(a.codes[lo:lo + size], a.scales[lo:lo + size], a.global_scale[lo:lo + size])
+            part = nvfp4_gemm(sub, w, out_dtype=dt, backend=backend)
+            if not torch.equal(part, full[lo:lo + size]):
+                bad.append(f"rows {lo}:{lo + size}")
+        res.append((f"batch invariance M in 1..{m_big} {str(dt)[6:]}", not bad, ", ".join(bad) or "bitwise equal"))
+    return res
+
+
+def check_grouped(device, backend=None, e=8, n=256, k=512):
+    counts = [0, 3, 130, 0, 1, 64, 17, 0][:e]
+    offs = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int64, device=device)
+    m = int(offs[-1])
+    a = quantize(torch.randn(m, k, device=device), scaling="row")
+    ws = [quantize(torch.randn(n, k, device=device), scaling="row" if i % 2 else "tensor") for i in range(e)]
+    res = []
+    ws = [ref.NVFP4Tensor(w.codes, w.scales, w.row_global_scale().contiguous()) for w in ws]
+    out = grouped_nvfp4_gemm(a, stack_experts(ws), offs, out_dtype=torch.float32, backend=backend)
+    worst, same = 0.0, True
+    for i in range(e):
+        lo, hi = int(offs[i]), int(offs[i + 1])
+        if hi == lo:
+            continue
+        sub = ref.NVFP4Tensor(a.codes[lo:hi], a.scales[lo:hi], a.global_scale[lo:hi])
+        worst = max(worst, rel_err(out[lo:hi], ref.nvfp4_matmul_reference(sub, ws[i])))
+        same &= torch.equal(out[lo:hi], nvfp4_gemm(sub, ws[i], out_dtype=torch.float32, backend=backend))
+    res.append((f"grouped E={e} (empty groups) vs reference", worst < 1e-5, f"worst rel err {worst:.2e}"))
+    res.append((f"grouped rows == dense rows (bitwise)", same, "informative: same K order, other tiles"))
+    return res
+
+
+def run_all(device, backend=None) -> list[str]:
+    lines = []
+    for fn in (check_quantize, check_gemm, check_batch_invariance, check_grouped):
+        for name, ok, detail in fn(device, backend):
+            line = f"- {'PASS' if ok else 'FAIL'} {name}: {detail}"
+            lines.append(line)
+            print(line, flush=True)
+    return lines

@@ -1,0 +1,235 @@
+"""Public NVFP4 GEMMs: ``nvfp4_gemm`` (a @ w.T) and ``grouped_nvfp4_gemm`` (MoE, one launch).
+
+Paths, chosen per call (``_backend.resolve`` + the device's capability):
+    Hopper / older CUDA, and CPU with backend="triton" (interpreter): ``_triton_gemm`` (decode to fp16,
+        tensor-core dot, fp32 accumulate, one fixed K order: batch invariant).
+    Blackwell (sm_100/103): ``blackwell`` (torch._scaled_mm on float4_e2m1fn_x2, global scales after).
+    CPU (default) or no Triton: ``_torch_gemm`` (exact float64 chunks, batch invariant).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from minite.nvfp4 import NVFP4Tensor
+
+from . import _backend, _torch_gemm, blackwell
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class NVFP4Experts:
+    """E expert weights [N, K] stacked: codes uint8 [E, N, K/2], scales e4m3 [E, N, K/16], global_scale
+    float32 [E] (one per expert) or [E, N] (per row). Build once with ``stack_experts`` (a list costs a copy
+    on every call)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kh = self.codes.shape
+        return (e, n, kh * 2)
+
+    def to(self, device) -> "NVFP4Experts":
+        return NVFP4Experts(self.codes.to(device), self.scales.to(device), self.global_scale.to(device))
+
+
+def stack_experts(ws) -> NVFP4Experts:
+    """List of E NVFP4Tensors [N, K] (all scalar or all per-row global scales) -> NVFP4Experts."""
+    if isinstance(ws, NVFP4Experts):
+        return ws
+    ws = list(ws)
+    if not ws:
+        raise ValueError("grouped_nvfp4_gemm: no expert weights")
+    kinds = {w.global_scale.dim() for w in ws}
+    if len(kinds) != 1:
+        raise ValueError("grouped_nvfp4_gemm: mixed scalar and per-row expert global scales")
+    for w in ws:
+        _check_tensor(w, "expert weight")
+        if w.shape != ws[0].shape:
+            raise ValueError(f"grouped_nvfp4_gemm: expert shapes differ: {w.shape} vs {ws[0].shape}")
+    return NVFP4Experts(torch.stack([w.codes for w in ws]), torch.stack([w.scales for w in ws]),
+                        torch.stack([w.global_scale.to(torch.float32) for w in ws]))
+
+
+def _check_tensor(t, what: str) -> None:
+    if not hasattr(t, "codes") or not hasattr(t, "scales") or not hasattr(t, "global_scale"):
+        raise TypeError(f"{what} must be an NVFP4Tensor (codes, scales, global_scale), got {type(t)}")
+    c, s, g = t.codes, t.scales, t.global_scale
+    if c.dtype != torch.uint8 or s.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{what}: codes must be uint8 and scales float8_e4m3fn, got {c.dtype} / {s.dtype}")
+    if c.dim() != 2 or s.dim() != 2 or s.shape[0] != c.shape[0] or s.shape[1] * 8 != c.shape[1]:
+        raise ValueError(f"{what}: codes [R, K/2] and scales [R, K/16] do not match: {tuple(c.shape)}, "
+                         f"{tuple(s.shape)}")
+    if g.dtype != torch.float32 or not (g.dim() == 0 or (g.dim() == 1 and g.shape[0] == c.shape[0])):
+        raise ValueError(f"{what}: global_scale must be float32 [] or [{c.shape[0]}], got {g.dtype} "
+                         f"{tuple(g.shape)}")
+    if not (c.device == s.device == g.device):
+        raise ValueError(f"{what}: codes, scales and global_scale are on different devices")
+
+
+def _check_common(a, k_w: int, device, out_dtype) -> None:
+    _check_tensor(a, "a")
+    if a.shape[1] != k_w:
+        raise ValueError(f"K mismatch: a is {a.shape}, weights have K = {k_w}")
+    if a.device != device:
+        raise ValueError(f"a is on {a.device}, weights on {device}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
+# ----------------------------------------------------------------------------------- Triton launch
+def _configs(m_hint: int, interpret: bool) -> dict:
+    """Tile config by M. BK is fixed (``_triton_gemm.BK``), so the K order is the same for every choice."""
+    if interpret:
+        return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1)
+    table = _CONFIGS
+    for bound, cfg in table:
+        if m_hint <= bound:
+            return dict(cfg)
+    return dict(table[-1][1])
+
+
+# (max M, config). Hopper wgmma needs BM >= 64 with 4 warps; every config uses wgmma fp16 -> fp32.
+_CONFIGS = [
+    (64, dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4)),
+    (1024, dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3)),
+    (1 << 62, dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=3)),
+]
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
+    from . import _triton_gemm as tg
+    m, k = a.shape
+    n = w.shape[0]
+    dev = a.device
+    cfg = dict(config) if config else _configs(m, dev.type == "cpu")
+    out = torch.empty(m, n, dtype=out_dtype, device=dev)
+    if m == 0 or n == 0:
+        return out
+    ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
+    bm, bn, gm = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
+    tiles_m = (m + bm - 1) // bm
+    grid = (tiles_m * ((n + bn - 1) // bn),)
+    dummy = ga
+    tg.nvfp4_mm_kernel[grid](
+        a.codes.contiguous(), _u8(a.scales), w.codes.contiguous(), _u8(w.scales), ga, gw,
+        bias.contiguous() if bias is not None else dummy, out, dummy, dummy, dummy,
+        m, n, k, tiles_m, 0, 0, 0,
+        GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
+        BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, **cfg)
+    return out
+
+
+def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
+    """Device-side (no host sync) list of row tiles: expert id (-1 = unused slot) and first row, sized by
+    the upper bound cdiv(M, BM) + E."""
+    e = offsets.numel() - 1
+    counts = (offsets[1:] - offsets[:-1]).clamp_min(0)
+    tiles = (counts + bm - 1) // bm
+    ends = torch.cumsum(tiles, 0)
+    bound = (m + bm - 1) // bm + e
+    idx = torch.arange(bound, device=offsets.device, dtype=ends.dtype)
+    expert = torch.searchsorted(ends, idx, right=True)
+    valid = expert < e
+    expert_c = expert.clamp_max(e - 1)
+    first_tile = ends[expert_c] - tiles[expert_c]
+    row = offsets[:-1][expert_c] + (idx - first_tile) * bm
+    return torch.where(valid, expert_c, -1).to(torch.int32), row.to(torch.int32), bound
+
+
+def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+    from . import _triton_gemm as tg
+    m, k = a.shape
+    e, n, _ = ex.shape
+    dev = a.device
+    cfg = dict(config) if config else _configs(max(1, m // max(1, e)), dev.type == "cpu")
+    out = torch.empty(m, n, dtype=out_dtype, device=dev)
+    if m == 0 or n == 0:
+        return out
+    bm, bn = cfg.pop("BM"), cfg.pop("BN")
+    cfg.pop("GROUP_M")
+    tile_e, tile_r, bound = _tile_schedule(offsets.to(torch.int64), m, bm)
+    offs32 = offsets.to(torch.int32).contiguous()
+    ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
+    codes, scales = ex.codes.contiguous(), _u8(ex.scales)
+    grid = (bound, (n + bn - 1) // bn)
+    tg.nvfp4_mm_kernel[grid](
+        a.codes.contiguous(), _u8(a.scales), codes, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
+        m, n, k, 0, codes.stride(0), scales.stride(0), gw.stride(0),
+        GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
+        BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, **cfg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- public API
+def gemm_path(device: torch.device, backend: str | None = None) -> str:
+    """'triton' (Hopper kernel), 'blackwell' (sm_100/103) or 'torch' for tensors on ``device``."""
+    b = _backend.resolve(backend, device)
+    if b == "torch":
+        return "torch"
+    if device.type == "cuda" and blackwell.is_blackwell(_backend.capability(device)) \
+            and os.environ.get("MINITE_KERNELS_BLACKWELL", "1") != "0":
+        return "blackwell"
+    return "triton"
+
+
+def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16,
+               bias: torch.Tensor | None = None, backend: str | None = None, config: dict | None = None):
+    """a @ w.T for NVFP4 a [M, K], w [N, K] -> [M, N] in out_dtype (bf16, fp16 or fp32).
+
+    Block scales are applied exactly, products accumulate in fp32 (exactly in float64 on the torch path),
+    both global scales (scalar, or per row: [M] for a, [N] for w) and then ``bias`` [N] in the epilogue.
+    Batch invariant and deterministic: row i does not depend on M or on the run. ``config`` (tile sizes)
+    is for benchmarking only."""
+    _check_tensor(w, "w")
+    _check_common(a, w.shape[1], w.device, out_dtype)
+    n = w.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.device != w.device):
+        raise ValueError(f"bias must be a [{n}] tensor on {w.device}, got {tuple(bias.shape)} on {bias.device}")
+    path = gemm_path(a.device, backend)
+    if path == "torch":
+        return _torch_gemm.gemm(a, w, out_dtype, bias)
+    if path == "blackwell":
+        return blackwell.gemm(a, w, out_dtype, bias)
+    return _triton_dense(a, w, out_dtype, bias, config)
+
+
+def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                       backend: str | None = None, config: dict | None = None) -> torch.Tensor:
+    """MoE GEMM: rows of a [M, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1] and
+    out[rows] = a[rows] @ ws[e].T. ``ws``: a list of E NVFP4Tensors [N, K] or an ``NVFP4Experts`` (stacked,
+    preferred: a list is stacked on every call). ``offsets``: int [E+1], offsets[0] == 0, non-decreasing,
+    offsets[E] == M; empty groups allowed. a may carry a per-row global scale [M]. One kernel launch."""
+    ex = stack_experts(ws)
+    if ex.codes.dim() != 3 or ex.scales.dim() != 3 or ex.scales.shape[:2] != ex.codes.shape[:2] \
+            or ex.scales.shape[2] * 8 != ex.codes.shape[2]:
+        raise ValueError(f"stacked experts: codes [E, N, K/2] and scales [E, N, K/16] do not match: "
+                         f"{tuple(ex.codes.shape)}, {tuple(ex.scales.shape)}")
+    e, n, k = ex.shape
+    if ex.global_scale.dtype != torch.float32 or ex.global_scale.shape not in ((e,), (e, n)):
+        raise ValueError(f"stacked experts: global_scale must be float32 [{e}] or [{e}, {n}], got "
+                         f"{ex.global_scale.dtype} {tuple(ex.global_scale.shape)}")
+    _check_common(a, k, ex.codes.device, out_dtype)
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() != e + 1 \
+            or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be an int32/int64 tensor [E+1] = [{e + 1}]")
+    offsets = offsets.to(a.device)
+    if a.device.type == "cpu":  # cheap here; on the GPU the check would cost a host sync per call
+        o = offsets.tolist()
+        if o[0] != 0 or o[-1] != a.shape[0] or any(x > y for x, y in zip(o, o[1:])):
+            raise ValueError(f"offsets must start at 0, be non-decreasing and end at M={a.shape[0]}: {o}")
+    path = gemm_path(a.device, backend)
+    if path == "torch":
+        return _torch_gemm.grouped_gemm(a, ex, offsets, out_dtype)
+    # Blackwell runs the portable decode kernel here too (a per-expert _scaled_mm would need host offsets)
+    return _triton_grouped(a, ex, offsets, out_dtype, config)

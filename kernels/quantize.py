@@ -1,0 +1,178 @@
+"""Fused Triton NVFP4 activation quantizer, bit-identical to ``minite.nvfp4.quantize`` for formula "te".
+
+One program owns ROWS whole rows (padded to a power of two KP >= 256) in registers: optional 16-point RHT
+(float64 dot, one rounding to fp32, like the reference), row amax, block amax, E4M3 block scale (RNE done on
+the fp32 bits, no fp8 types in the kernel), encode scale, E2M1 rounding (RNE or the reference's counter
+hash), nibble packing. Row and static scaling read x once; tensor scaling takes an amax pre-pass (a torch
+amax, or this kernel in AMAX_ONLY mode when RHT changes the values). Every division is ``div_rn`` (IEEE
+round-to-nearest), matching torch's fp32 ``/``. Other formulas / tiles fall back to the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from minite import nvfp4 as ref
+
+from . import _backend
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+
+_FLT_MAX = 3.4028234663852886e38
+MAX_KP = 32768  # widest row held in registers; wider rows use the reference
+
+
+if triton is not None:
+    @triton.jit
+    def _hash32(x):
+        # minite.nvfp4._hash32 on uint32 (the multiplies wrap mod 2**32 exactly like the int64 & mask form)
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x297A2D39
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _te_quant_kernel(x_ptr, codes_ptr, scales_ptr, sdec_ptr, amax_ptr, rowamax_ptr, bad_ptr, rht_ptr,
+                         M, K, stride_x, seed,
+                         ROWS: tl.constexpr, KP: tl.constexpr, ROW_SCALING: tl.constexpr,
+                         RHT: tl.constexpr, STOCHASTIC: tl.constexpr, AMAX_ONLY: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, KP)
+        rmask = rows < M
+        mask = rmask[:, None] & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if not AMAX_ONLY:  # NaN/Inf flag per program (the caller raises), instead of a second pass
+            badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+            tl.store(bad_ptr + pid, tl.sum(tl.sum(badv, axis=1), axis=0))
+        if RHT:
+            r = tl.arange(0, 16)
+            h = tl.load(rht_ptr + r[:, None] * 16 + r[None, :])  # float64 diag(sign) @ H16 / 4
+            x64 = tl.reshape(x.to(tl.float64), (ROWS * KP // 16, 16))
+            x = tl.reshape(tl.dot(x64, h).to(tl.float32), (ROWS, KP))
+        ax = tl.abs(x)
+        if AMAX_ONLY:
+            tl.store(rowamax_ptr + rows, tl.max(ax, axis=1), mask=rmask)
+            return
+        if ROW_SCALING:
+            amax = tl.max(ax, axis=1)  # [ROWS]
+        else:
+            amax = tl.load(amax_ptr + rows * 0)
+        # S_enc = min(2688 / amax, FLT_MAX), 1 where amax == 0 or S_enc == 0; S_dec = 1 / S_enc
+        s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), _FLT_MAX)
+        s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+        s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+        mult = s_enc * 0.16666666666666666  # S_enc * fp32(1/6), formed first
+        if ROW_SCALING:
+            tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        # block scales: e4m3(clamp(block_amax * mult, <= 448)), rounded to nearest-even on fp32 bits
+        bamax = tl.max(tl.reshape(ax, (ROWS, KP // 16, 16)), axis=2)
+        sv = tl.minimum(tl.minimum(bamax * mult[:, None], _FLT_MAX), 448.0)
+        bits = sv.to(tl.uint32, bitcast=True)
+        rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        s_norm = rb.to(tl.float32, bitcast=True)
+        code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+        s_sub = (sv + 16384.0) - 16384.0  # RNE onto the 2**-9 subnormal grid
+        code_sub = (s_sub * 512.0).to(tl.uint32)
+        is_norm = sv >= 0.015625
+        s_q = tl.where(is_norm, s_norm, s_sub)
+        s_code = tl.where(is_norm, code_norm, code_sub).to(tl.uint8)
+        scols = tl.arange(0, KP // 16)
+        smask = rmask[:, None] & (scols[None, :] < K // 16)
+        tl.store(scales_ptr + rows[:, None].to(tl.int64) * (K // 16) + scols[None, :], s_code, mask=smask)
+        enc = tl.minimum(tl.math.div_rn(tl.full(s_q.shape, 1.0, tl.float32), s_q * s_dec[:, None]), _FLT_MAX)
+        v = tl.reshape(x, (ROWS, KP // 16, 16)) * enc[:, :, None]
+        v = tl.reshape(tl.minimum(tl.maximum(v, -6.0), 6.0), (ROWS, KP))
+        a = tl.abs(v)
+        if STOCHASTIC:
+            lo = ((a >= 0.5).to(tl.uint32) + (a >= 1.0) + (a >= 1.5) + (a >= 2.0) + (a >= 3.0)
+                  + (a >= 4.0) + (a >= 6.0))
+            lo_val = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo < 7, lo.to(tl.float32) - 2.0, 6.0))
+            inv_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+            frac = (a - lo_val) * inv_step
+            idx = (rows[:, None].to(tl.int64) * K + cols[None, :]).to(tl.uint32)
+            hsh = _hash32(_hash32(idx) ^ seed.to(tl.uint32))
+            u = (hsh >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+            mag = lo + ((u < frac) & (lo < 7)).to(tl.uint32)
+        else:
+            mag = ((a > 0.25).to(tl.uint32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+                   + (a >= 3.5) + (a > 5.0))
+        code = mag | ((v < 0).to(tl.uint32) << 3)
+        even, odd = tl.split(tl.reshape(code, (ROWS, KP // 2, 2)))
+        packed = (even | (odd << 4)).to(tl.uint8)
+        pcols = tl.arange(0, KP // 2)
+        pmask = rmask[:, None] & (pcols[None, :] < K // 2)
+        tl.store(codes_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], packed, mask=pmask)
+
+
+def _layout(k: int) -> tuple[int, int, int]:
+    """(ROWS, KP, num_warps): about 8K elements per program."""
+    kp = max(256, triton.next_power_of_2(k))
+    rows = max(1, 8192 // kp)
+    warps = 4 if kp <= 4096 else (8 if kp <= 16384 else 16)
+    return rows, kp, warps
+
+
+def _launch(x, codes, scales, sdec, amax, rowamax, bad, seed, row_scaling, rht, stochastic, amax_only):
+    m, k = x.shape
+    rows, kp, warps = _layout(k)
+    h = ref.rht_matrix(x.device).contiguous() if rht else x  # dummy pointer when unused
+    grid = (triton.cdiv(m, rows),)
+    _te_quant_kernel[grid](x, codes, scales, sdec, amax, rowamax, bad, h, m, k, x.stride(0), seed,
+                           ROWS=rows, KP=kp, ROW_SCALING=row_scaling, RHT=rht, STOCHASTIC=stochastic,
+                           AMAX_ONLY=amax_only, num_warps=warps)
+
+
+def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = "tensor", amax=None,
+             global_encode_scale=None, rounding: str = "nearest", rht: bool = False,
+             generator: torch.Generator | None = None, check: bool = True,
+             backend: str | None = None) -> ref.NVFP4Tensor:
+    """``minite.nvfp4.quantize`` (same signature, same bits) through the fused Triton kernel where it applies:
+    formula "te", tile (1, 16), K <= 32768; everything else (and backend="torch") runs the reference."""
+    ref._validate(x, formula, tile, scaling, amax, global_encode_scale, rounding, rht, generator)
+    kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
+              rounding=rounding, rht=rht, generator=generator, check=check)
+    if (formula != "te" or tuple(tile) != (1, 16) or x.shape[1] > MAX_KP
+            or _backend.resolve(backend, x.device) != "triton"):
+        return ref.quantize(x, **kw)
+    m, k = x.shape
+    dev = x.device
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(m, k // 16, dtype=torch.float8_e4m3fn, device=dev)
+    rows = _layout(k)[0]
+    bad = torch.zeros(max(1, triton.cdiv(m, rows)), dtype=torch.int32, device=dev)
+    sdec_row = torch.empty(m, dtype=torch.float32, device=dev)
+    if scaling == "row":
+        amax_t = sdec_row  # unused
+    elif scaling == "static":
+        amax_t = torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(1)
+        if check:
+            ref.check_finite(amax_t, "amax")
+    elif rht:  # tensor scaling of the transformed values: per-row amax pre-pass through the same kernel
+        rowamax = torch.empty(m, dtype=torch.float32, device=dev)
+        _launch(x, codes, scales.view(torch.uint8), sdec_row, sdec_row, rowamax, bad, 0, False, True,
+                False, True)
+        amax_t = rowamax.amax().reshape(1)
+    else:
+        amax_t = x.abs().amax().to(torch.float32).reshape(1)
+    if rounding == "stochastic":  # the reference's one draw, from the same generator
+        g = generator if generator is not None else torch.default_generator
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g).item())
+    else:
+        seed = 0
+    _launch(x, codes, scales.view(torch.uint8), sdec_row, amax_t, sdec_row, bad, seed, scaling == "row",
+            bool(rht), rounding == "stochastic", False)
+    if check and bool(bad.any()):
+        raise ValueError("NVFP4 quantize: input contains NaN or Inf; refusing to produce codes")
+    if scaling == "row":
+        s_dec = sdec_row
+    else:  # scalar global: the same torch ops as the reference (bit-identical by construction)
+        s_dec = ref._te_global(amax_t.reshape(()))[1]
+    return ref.NVFP4Tensor(codes, scales, s_dec.to(torch.float32).contiguous())

@@ -1,0 +1,177 @@
+"""nvfp4_gemm / grouped_nvfp4_gemm: vs nvfp4_matmul_reference, batch invariance, groups, errors, dispatch."""
+import pytest
+import torch
+
+from minite import nvfp4 as ref
+from minite.kernels import NVFP4Experts, gemm_path, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
+from minite.kernels import _backend, blackwell, checks
+
+BACKENDS = ("triton", "torch")
+
+
+def _q(m, k, scaling="row", scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ref.quantize(torch.randn(m, k, generator=g) * scale, scaling=scaling)
+
+
+def _rows(t, lo, hi):
+    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[lo:hi]
+    return ref.NVFP4Tensor(t.codes[lo:hi], t.scales[lo:hi], g)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,k,sa,sw", [(7, 40, 272, "row", "tensor"), (33, 17, 128, "tensor", "row"),
+                                         (1, 64, 1040, "row", "row")])
+def test_matches_reference(backend, m, n, k, sa, sw):
+    a = ref.quantize(checks.spread_input(m, k, "cpu", seed=m), scaling=sa)
+    w = _q(n, k, sw, 0.05, seed=1)
+    r = ref.nvfp4_matmul_reference(a, w)
+    o = nvfp4_gemm(a, w, out_dtype=torch.float32, backend=backend)
+    assert o.shape == (m, n) and o.dtype == torch.float32
+    assert checks.rel_err(o, r) < 1e-5
+    bias = torch.randn(n)
+    a = _q(m, k, sa, seed=m)  # moderate range: fp16 output must not overflow
+    r = ref.nvfp4_matmul_reference(a, w)
+    for dt in (torch.float16, torch.bfloat16):
+        o = nvfp4_gemm(a, w, out_dtype=dt, bias=bias, backend=backend)
+        assert o.dtype == dt and checks.rel_err(o, r + bias) < 1e-2
+    o32 = nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend=backend)
+    assert checks.rel_err(o32, r + bias) < 1e-5
+
+
+def test_torch_path_is_exact_reference():
+    a, w = _q(5, 1024), _q(9, 1024, "tensor")
+    assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32), ref.nvfp4_matmul_reference(a, w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariance_and_determinism(backend):
+    a, w = _q(70, 256), _q(48, 256, "tensor")
+    full = nvfp4_gemm(a, w, out_dtype=torch.float32, backend=backend)
+    assert torch.equal(full, nvfp4_gemm(a, w, out_dtype=torch.float32, backend=backend))
+    for lo, hi in ((0, 1), (69, 70), (3, 36), (0, 64)):
+        part = nvfp4_gemm(_rows(a, lo, hi), w, out_dtype=torch.float32, backend=backend)
+        assert torch.equal(part, full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_ragged_with_empty_groups(backend):
+    e, n, k = 5, 24, 160
+    ws = [_q(n, k, "row" if i % 2 else "tensor", seed=i) for i in range(e)]
+    ws = [ref.NVFP4Tensor(w.codes, w.scales, w.row_global_scale().contiguous()) for w in ws]
+    offs = torch.tensor([0, 5, 5, 40, 41, 41])
+    a = _q(41, k, seed=9)
+    out = grouped_nvfp4_gemm(a, ws, offs, out_dtype=torch.float32, backend=backend)
+    stacked = grouped_nvfp4_gemm(a, stack_experts(ws), offs, out_dtype=torch.float32, backend=backend)
+    assert torch.equal(out, stacked)
+    for i in range(e):
+        lo, hi = int(offs[i]), int(offs[i + 1])
+        if hi > lo:
+            r = ref.nvfp4_matmul_reference(_rows(a, lo, hi), ws[i])
+            assert checks.rel_err(out[lo:hi], r) < 1e-5
+    # scalar expert global scales ([E]) too, and the bf16 default output
+    ws2 = [_q(n, k, "tensor", seed=20 + i) for i in range(e)]
+    o2 = grouped_nvfp4_gemm(a, ws2, offs, backend=backend)
+    assert o2.dtype == torch.bfloat16
+    r = ref.nvfp4_matmul_reference(_rows(a, 5, 40), ws2[2])
+    assert checks.rel_err(o2[5:40], r) < 1e-2
+
+
+def test_grouped_all_rows_one_expert_and_zero_rows():
+    k = 64
+    ws = [_q(16, k, "tensor", seed=i) for i in range(3)]
+    a = _q(10, k)
+    out = grouped_nvfp4_gemm(a, ws, torch.tensor([0, 0, 10, 10]), out_dtype=torch.float32, backend="triton")
+    assert torch.equal(out, nvfp4_gemm(a, ws[1], out_dtype=torch.float32, backend="triton"))
+    empty = ref.NVFP4Tensor(a.codes[:0], a.scales[:0], a.global_scale[:0])
+    assert grouped_nvfp4_gemm(empty, ws, torch.zeros(4, dtype=torch.int64), backend="triton").shape == (0, 16)
+
+
+def test_bad_inputs():
+    a, w = _q(4, 64), _q(8, 64)
+    with pytest.raises(ValueError, match="K mismatch"):
+        nvfp4_gemm(a, _q(8, 128))
+    with pytest.raises(ValueError, match="out_dtype"):
+        nvfp4_gemm(a, w, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="bias"):
+        nvfp4_gemm(a, w, bias=torch.zeros(7))
+    with pytest.raises(TypeError):
+        nvfp4_gemm(torch.zeros(4, 64), w)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        nvfp4_gemm(ref.NVFP4Tensor(a.codes, a.scales.float(), a.global_scale), w)
+    with pytest.raises(ValueError, match="global_scale"):
+        nvfp4_gemm(ref.NVFP4Tensor(a.codes, a.scales, torch.ones(3)), w)
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_nvfp4_gemm(a, [w, w], torch.tensor([0, 3, 2]))
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_nvfp4_gemm(a, [w, w], torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="shapes differ"):
+        grouped_nvfp4_gemm(a, [w, _q(4, 64)], torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="backend"):
+        nvfp4_gemm(a, w, backend="cutlass")
+
+
+def test_backend_resolution(monkeypatch):
+    cpu = torch.device("cpu")
+    assert _backend.resolve(None, cpu) == "torch"
+    monkeypatch.setenv("MINITE_KERNELS_BACKEND", "triton")
+    assert _backend.resolve(None, cpu) == "triton"  # interpreter on (conftest)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        _backend.resolve("triton", cpu)
+    monkeypatch.setattr(_backend, "triton_available", lambda: (False, "ImportError: no triton"))
+    with pytest.warns(RuntimeWarning, match="not importable"):
+        assert _backend.resolve("triton", cpu) == "torch"
+    a, w = _q(2, 32), _q(3, 32)
+    assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32, backend="torch"),
+                       ref.nvfp4_matmul_reference(a, w))
+
+
+def test_blackwell_dispatch_with_mocked_capability(monkeypatch):
+    monkeypatch.setattr(_backend, "triton_available", lambda: (True, ""))
+    cuda = torch.device("cuda")
+    for cap, want in (((10, 0), "blackwell"), ((10, 3), "blackwell"), ((9, 0), "triton"), ((8, 0), "triton")):
+        monkeypatch.setattr(_backend, "capability", lambda d, c=cap: c)
+        assert gemm_path(cuda) == want, cap
+    monkeypatch.setenv("MINITE_KERNELS_BLACKWELL", "0")
+    monkeypatch.setattr(_backend, "capability", lambda d: (10, 0))
+    assert gemm_path(cuda) == "triton"
+    assert gemm_path(torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 4), (300, 130), (1, 1), (256, 8)])
+def test_blackwell_scale_swizzle_round_trip(rows, cols):
+    s = (torch.rand(rows, cols) * 400).to(torch.float8_e4m3fn)
+    b = blackwell.to_blocked(s)
+    assert b.numel() == -(-rows // 128) * 128 * (-(-cols // 4) * 4)
+    assert torch.equal(blackwell.from_blocked(b, rows, cols).view(torch.uint8), s.view(torch.uint8))
+    # cuBLAS layout: inside a 128x4 tile, offset = (r % 32) * 16 + (r // 32) * 4 + c
+    if rows >= 128 and cols >= 4:
+        r, c = 77, 2
+        assert b.view(torch.uint8)[(r % 32) * 16 + (r // 32) * 4 + c] == s.view(torch.uint8)[r, c]
+
+
+def test_experts_container():
+    ws = [_q(8, 32, "tensor", seed=i) for i in range(3)]
+    ex = stack_experts(ws)
+    assert isinstance(ex, NVFP4Experts) and ex.shape == (3, 8, 32) and ex.global_scale.shape == (3,)
+    with pytest.raises(ValueError, match="mixed"):
+        stack_experts([ws[0], _q(8, 32, "row")])
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_vs_reference():
+    res = checks.check_gemm(torch.device("cuda"))
+    assert all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariance():
+    res = checks.check_batch_invariance(torch.device("cuda"))
+    assert all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+
+
+@pytest.mark.gpu
+def test_gpu_grouped():
+    res = checks.check_grouped(torch.device("cuda"))
+    assert res[0][1], res
