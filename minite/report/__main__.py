@@ -1,0 +1,60 @@
+"""``python -m minite.report table|figure ...``: render tables and figures from a results directory.
+
+    python -m minite.report table  --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4
+    python -m minite.report figure throughput --results results/cpu --arms ... --out results/cpu/figures/throughput
+    python -m minite.report figure {drift,reward,kernels,diagnostics} ...
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minite.report import figures, load, tables
+
+FIGURES = ("throughput", "drift", "reward", "kernels", "diagnostics")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minite.report", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("table", help="throughput_table.{csv,md,tex} from <results>/<arm>/learner.json")
+    f = sub.add_parser("figure", help="one figure as <out>.png and <out>.pdf")
+    f.add_argument("name", choices=FIGURES)
+    for q in (t, f):
+        q.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
+        q.add_argument("--arms", nargs="+", default=[], help="arms, in display order")
+        q.add_argument("--out", help="output prefix (table) / stem (figure) / directory (diagnostics)")
+    t.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
+    f.add_argument("--smooth", type=int, default=5, help="rolling-mean window over RL steps")
+    f.add_argument("--no-evals", action="store_true", help="reward figure without the eval panel")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.what == "table":
+        df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile)
+        print(df.to_string(index=False))
+        return 0
+    if not a.out:
+        raise SystemExit("--out is required for figures")
+    if a.name != "kernels" and not a.arms:
+        raise SystemExit(f"figure {a.name} needs --arms")
+    if a.name == "throughput":
+        figures.throughput_bars(tables.throughput_table(load.load_learner(a.results, a.arms)), a.out)
+    elif a.name == "drift":
+        figures.drift(load.load_stability(a.results, a.arms), a.out,
+                      load.load_stability_summary(a.results, a.arms, missing="skip"), smooth=a.smooth)
+    elif a.name == "reward":
+        evals = None if a.no_evals else load.load_evals(a.results, a.arms)
+        figures.reward_eval(load.load_stability(a.results, a.arms), evals, a.out, smooth=a.smooth)
+    elif a.name == "kernels":
+        figures.kernel_throughput(load.load_kernels(a.results), a.out)
+    else:
+        from minite.report import diagnostics
+        diagnostics.render(load.load_diagnostics(a.results, a.arms), a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Seaborn figures of the results (each written as ``<stem>.png`` and ``<stem>.pdf``).
+
+They plot what the loaders (minite.report.load) return and compute nothing but rolling means for display.
+Each arm keeps one colour across all figures.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")                       # files only: never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from minite.provenance import atomic_path  # noqa: E402
+from minite.report.load import ResultError, column  # noqa: E402
+
+ARM_COLORS = {"bf16": "#4d4d4d", "naive_te_nvfp4": "#d62728", "minite_nvfp4": "#2ca02c"}
+ARM_LABELS = {"bf16": "BF16", "naive_te_nvfp4": "naive TE NVFP4", "minite_nvfp4": "miniTE NVFP4"}
+
+
+def palette(arms) -> dict:
+    extra = iter(sns.color_palette("tab10"))
+    return {a: ARM_COLORS.get(a) or next(extra) for a in arms}
+
+
+def save(fig, out_stem, footer: str | None = None) -> list[Path]:
+    """Write ``out_stem``.png and .pdf atomically, with an optional provenance footer; close the figure."""
+    out_stem = Path(out_stem)
+    if footer:
+        fig.text(0.995, 0.005, footer, ha="right", va="bottom", fontsize=6, color="0.45")
+    paths = []
+    for ext in ("png", "pdf"):
+        path = out_stem.with_name(out_stem.name + "." + ext)
+        with atomic_path(path, "wb") as f:
+            fig.savefig(f, format=ext, dpi=150, bbox_inches="tight")
+        paths.append(path)
+    plt.close(fig)
+    return paths
+
+
+def footer_from(records) -> str | None:
+    """'minite <sha> · <device>' from result records that carry provenance (one line per distinct pair)."""
+    pairs = sorted({(str(r.get("sha", "?"))[:12], str(r.get("device", "?"))) for r in records
+                    if isinstance(r, dict) and ("sha" in r or "device" in r)})
+    return "; ".join(f"minite {s} · {d}" for s, d in pairs) or None
+
+
+def throughput_bars(table: pd.DataFrame, out_stem, footer: str | None = None) -> list[Path]:
+    """Learner tokens/s per arm (the throughput table), each bar labelled with its ratio to BF16."""
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    arms = list(table["arm"])
+    sns.barplot(data=table, x="arm", y="tokens_per_s", hue="arm", palette=palette(arms), legend=False,
+                ax=ax, order=arms)
+    for i, r in enumerate(table.itertuples()):
+        label = f"{r.tokens_per_s:,.0f}"
+        if not (isinstance(r.ratio_vs_bf16, float) and math.isnan(r.ratio_vs_bf16)):
+            label += f"\n{r.ratio_vs_bf16:.2f}x BF16"
+        ax.annotate(label, (i, r.tokens_per_s), ha="center", va="bottom", fontsize=7,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(arms)), [ARM_LABELS.get(a, a) for a in arms])
+    ax.set(xlabel="", ylabel="learner tokens / s",
+           title=f"Learner throughput: {table['model'].iloc[0]}, {table['layers'].iloc[0]} layers")
+    ax.margins(y=0.2)
+    return save(fig, out_stem, footer or footer_from(table.to_dict("records")))
+
+
+def _log_positive(ax, df: pd.DataFrame, y: str, hue_colors: dict, ylabel: str, smooth: int) -> None:
+    """Per-arm curve of ``y`` vs step on a log axis. Exact zeros (identical engines) cannot sit on a log
+    axis: they are drawn at a floor one decade under the smallest positive value, and the legend says so."""
+    pos = df.loc[df[y] > 0, y]
+    floor = (pos.min() / 10) if len(pos) else 1e-12
+    for arm, g in df.groupby("arm", sort=False):
+        g = g.sort_values("step")
+        vals = g[y].astype(float)
+        label = ARM_LABELS.get(arm, arm)
+        if (vals == 0).all():
+            label += f" (= 0, drawn at {floor:.0e})"
+        vals = vals.clip(lower=floor)
+        ax.plot(g["step"], vals, color=hue_colors[arm], alpha=0.3 if smooth > 1 else 1.0, lw=0.8)
+        if smooth > 1:
+            ax.plot(g["step"], vals.rolling(smooth, min_periods=1).mean(), color=hue_colors[arm], lw=1.6,
+                    label=label)
+        else:
+            ax.lines[-1].set_label(label)
+    ax.set_yscale("log")
+    ax.set(xlabel="RL step", ylabel=ylabel)
+
+
+def drift(stability: pd.DataFrame, out_stem, summaries: dict | None = None, smooth: int = 5,
+          footer: str | None = None) -> list[Path]:
+    """Trainer/sampler drift per RL step: k3 (KL estimate) and max |p_train - p_sample|, log scale. A
+    vertical dotted line marks each arm's drift alarm step when its stability summary records one."""
+    if stability.empty:
+        raise ResultError("no stability records to plot")
+    sns.set_theme(style="whitegrid", context="paper")
+    colors = palette(stability["arm"].unique())
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
+    for ax, (name, ylabel) in zip(axes, [("k3", "k3 KL(sampler || trainer)"),
+                                         ("max_abs_dp", "max |p_train - p_sample|")]):
+        df = stability[["arm", "step", column(stability, name)]].rename(columns=lambda c: c.split("/")[-1])
+        _log_positive(ax, df, name, colors, ylabel, smooth)
+        for arm, s in (summaries or {}).items():
+            step = _alarm_step(s)
+            if step is not None and arm in colors:
+                ax.axvline(step, color=colors[arm], ls=":", lw=1)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Trainer/sampler mismatch during RL" + (f" (rolling mean of {smooth})" if smooth > 1 else ""))
+    return save(fig, out_stem, footer)
+
+
+def _alarm_step(summary: dict):
+    for key in ("alarm_step", "drift_alarm_step"):
+        if isinstance(summary.get(key), (int, float)):
+            return summary[key]
+    alarm = summary.get("drift_alarm") or summary.get("alarm")
+    if isinstance(alarm, dict) and isinstance(alarm.get("step"), (int, float)):
+        return alarm["step"]
+    return None
+
+
+def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None, out_stem, smooth: int = 5,
+                eval_metric: str | None = None, footer: str | None = None) -> list[Path]:
+    """Training reward per RL step (rolling mean) and held-out eval accuracy per checkpoint, per arm."""
+    if stability.empty:
+        raise ResultError("no stability records to plot")
+    sns.set_theme(style="whitegrid", context="paper")
+    colors = palette(stability["arm"].unique())
+    have_evals = evals is not None and not evals.empty
+    fig, axes = plt.subplots(1, 2 if have_evals else 1, figsize=(9 if have_evals else 4.8, 3.4), squeeze=False)
+    ax = axes[0, 0]
+    rcol = column(stability, "reward")
+    for arm, g in stability.groupby("arm", sort=False):
+        g = g.sort_values("step")
+        ax.plot(g["step"], g[rcol], color=colors[arm], alpha=0.25, lw=0.8)
+        ax.plot(g["step"], g[rcol].rolling(smooth, min_periods=1).mean(), color=colors[arm], lw=1.6,
+                label=ARM_LABELS.get(arm, arm))
+    ax.set(xlabel="RL step", ylabel="mean reward", title="Training reward")
+    ax.legend(fontsize=7)
+    if have_evals:
+        ax = axes[0, 1]
+        metric = eval_metric or _eval_metric(evals)
+        step = column(evals, "step")
+        sns.lineplot(data=evals.sort_values(step), x=step, y=metric, hue="arm", palette=colors, marker="o",
+                     ax=ax, legend=False)
+        ax.set(xlabel="checkpoint step", ylabel=metric, title="Held-out accuracy")
+    return save(fig, out_stem, footer)
+
+
+def _eval_metric(evals: pd.DataFrame) -> str:
+    """The accuracy column of evals.csv: the first 'mean@k' / 'mean_at_k' column, else 'accuracy'."""
+    for c in evals.columns:
+        if str(c).startswith(("mean@", "mean_at_")):
+            return c
+    return column(evals, "accuracy")
+
+
+def kernel_throughput(kernels: pd.DataFrame, out_stem, x: str = "M", y: str | None = None,
+                      hue: str | None = None, footer: str | None = None) -> list[Path]:
+    """Kernel throughput vs M (tokens), one line per kernel / shape, log-x."""
+    if kernels.empty:
+        raise ResultError("kernels.csv has no rows")
+    y = y or next((c for c in ("tflops", "TFLOPS", "tflop_s", "tokens_per_s") if c in kernels), None)
+    if y is None or x not in kernels:
+        raise ResultError(f"kernels.csv needs columns {x!r} and a throughput column; has {list(kernels)}")
+    hue = hue or next((c for c in ("kernel", "impl", "name") if c in kernels), None)
+    style = next((c for c in ("shape", "NK", "op") if c in kernels and c != hue), None)
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    sns.lineplot(data=kernels, x=x, y=y, hue=hue, style=style, marker="o", ax=ax)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel=f"{x} (tokens)", ylabel=y, title="NVFP4 kernel throughput")
+    ax.legend(fontsize=6)
+    return save(fig, out_stem, footer or footer_from(kernels.to_dict("records")[:1]))

@@ -1,0 +1,132 @@
+"""Read the results tree written by the jobs (layout: docs/ENGINES.md, "Results layout").
+
+Every loader takes the profile's results directory (``results/<profile>``) and the arms to read, and
+raises a clear error on a missing or malformed file. ``missing="skip"`` (what the notebooks use) leaves
+out arms whose file does not exist yet instead of raising, so a notebook shows whatever has been run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pandas as pd
+
+#: The learner.json keys the throughput table needs (bench-learner writes them; see docs/ENGINES.md).
+LEARNER_KEYS = ("tokens_per_s", "step_ms", "peak_mem_gb", "model", "layers", "device", "sha")
+
+
+class ResultError(ValueError):
+    """A result file is missing a field the report needs, or holds a non-finite number."""
+
+
+def _paths(results_dir, arms, rel: str, missing: str) -> dict[str, Path]:
+    if missing not in ("raise", "skip"):
+        raise ValueError(f"missing must be 'raise' or 'skip', got {missing!r}")
+    out = {}
+    for arm in arms:
+        p = Path(results_dir) / arm / rel
+        if p.exists():
+            out[arm] = p
+        elif missing == "raise":
+            raise FileNotFoundError(f"{p} does not exist (run the pipeline target that makes it first)")
+        else:
+            warnings.warn(f"{p} not found: arm {arm!r} left out", stacklevel=3)
+    return out
+
+
+def load_learner(results_dir, arms, missing: str = "raise") -> dict[str, dict]:
+    """arm -> the learner.json record, provenance fields (``provenance: {...}``) lifted to the top level."""
+    out = {}
+    for arm, path in _paths(results_dir, arms, "learner.json", missing).items():
+        rec = json.loads(path.read_text())
+        if not isinstance(rec, dict):
+            raise ResultError(f"{path}: expected a JSON object, got {type(rec).__name__}")
+        rec = {**rec.get("provenance", {}), **{k: v for k, v in rec.items() if k != "provenance"}}
+        absent = [k for k in LEARNER_KEYS if k not in rec]
+        if absent:
+            raise ResultError(f"{path}: missing keys {absent} (bench-learner writes {list(LEARNER_KEYS)})")
+        for key in ("tokens_per_s", "step_ms"):
+            v = rec[key]
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ResultError(f"{path}: {key} must be a positive finite number, got {v!r}")
+        out[arm] = rec
+    return out
+
+
+def load_stability(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
+    """All arms' stability.jsonl as one long frame: ``arm``, ``step`` and every logged field, nested
+    objects flattened with '/' (``{"mismatch": {"k3": ..}}`` -> ``mismatch/k3``). A torn last line (a job
+    killed mid-write) is dropped with a warning; a torn line elsewhere is an error."""
+    frames = []
+    for arm, path in _paths(results_dir, arms, "stability.jsonl", missing).items():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        records = []
+        for i, ln in enumerate(lines):
+            try:
+                records.append(json.loads(ln))
+            except json.JSONDecodeError as e:
+                if i == len(lines) - 1:
+                    warnings.warn(f"{path}: last line is incomplete, ignored", stacklevel=2)
+                    continue
+                raise ResultError(f"{path}:{i + 1}: not JSON ({e})") from e
+        df = pd.json_normalize(records, sep="/")
+        if len(df) and "step" not in df:
+            raise ResultError(f"{path}: records have no 'step' field")
+        df.insert(0, "arm", arm)
+        frames.append(df)
+    if not frames:
+        return pd.DataFrame(columns=["arm", "step"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def load_stability_summary(results_dir, arms, missing: str = "raise") -> dict[str, dict]:
+    return {arm: json.loads(p.read_text())
+            for arm, p in _paths(results_dir, arms, "stability_summary.json", missing).items()}
+
+
+def load_evals(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
+    """All arms' evals.csv, with an ``arm`` column (overwriting the file's own, which must agree)."""
+    frames = []
+    for arm, path in _paths(results_dir, arms, "evals.csv", missing).items():
+        df = pd.read_csv(path)
+        if "arm" in df and len(df) and set(df["arm"].astype(str)) != {arm}:
+            raise ResultError(f"{path}: holds rows for arms {sorted(set(df['arm']))}, expected only {arm!r}")
+        df["arm"] = arm
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["arm"])
+
+
+def load_kernels(results_dir) -> pd.DataFrame:
+    path = Path(results_dir) / "kernels.csv"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (run the kernel_bench target on a GPU)")
+    return pd.read_csv(path)
+
+
+def load_diagnostics(results_dir, arms, missing: str = "raise") -> dict[str, dict]:
+    """arm -> {"mismatch": dict, "layers": DataFrame, "attribution": DataFrame} (each present file)."""
+    out = {}
+    for arm, path in _paths(results_dir, arms, "diagnostics/mismatch.json", missing).items():
+        d = {"mismatch": json.loads(path.read_text())}
+        for name in ("layers", "attribution"):
+            p = path.parent / f"{name}.csv"
+            if p.exists():
+                d[name] = pd.read_csv(p)
+        out[arm] = d
+    return out
+
+
+def column(df: pd.DataFrame, name: str, required: bool = True) -> str | None:
+    """The column holding metric ``name``: ``name`` itself, else the one column ending in '/name' or
+    '.name' (a metric logged inside a group, e.g. ``mismatch/k3``)."""
+    if name in df.columns:
+        return name
+    hits = [c for c in df.columns if str(c).endswith(("/" + name, "." + name))]
+    if len(hits) == 1:
+        return hits[0]
+    if not required:
+        return None
+    what = f"several columns match: {hits}" if hits else f"columns are {list(df.columns)}"
+    raise ResultError(f"no unique column for {name!r}: {what}")

@@ -1,0 +1,118 @@
+# Config loading and helpers shared by every rule file.
+#
+# The profile is chosen by the config: `profile` from --configfile / --config (default "cpu"). Its
+# workflow/profiles/<profile>/pipeline.yaml is the base; whatever --configfile / --config set is merged on
+# top (so `--config arms=[bf16]` overrides the profile's arms), then the result is validated.
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+from snakemake.utils import update_config, validate
+
+REPO = Path(workflow.basedir)
+
+
+def _coerce(value):
+    """--config values arrive as strings (nested ones too): turn '50' / 'true' / 'null' into YAML scalars."""
+    if isinstance(value, dict):
+        return {k: _coerce(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_coerce(v) for v in value]
+    if isinstance(value, str):
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        return parsed if isinstance(parsed, (int, float, bool, type(None))) else value
+    return value
+
+
+def _load_config(given: dict) -> dict:
+    profile = str(given.get("profile", "cpu"))
+    path = REPO / "workflow" / "profiles" / profile / "pipeline.yaml"
+    if not path.is_file():
+        known = sorted(p.parent.name for p in (REPO / "workflow" / "profiles").glob("*/pipeline.yaml"))
+        raise WorkflowError(f"unknown profile {profile!r}: no {path} (profiles: {', '.join(known)})")
+    merged = yaml.safe_load(path.read_text())
+    given = _coerce(dict(given))
+    if isinstance(given.get("arms"), str):  # --config arms=bf16 or arms=bf16,minite_nvfp4
+        given["arms"] = [a for a in given["arms"].split(",") if a]
+    update_config(merged, given)
+    return merged
+
+
+_merged = _load_config(config)
+config.clear()
+config.update(_merged)
+validate(config, "../schemas/config.schema.yaml")
+
+PROFILE = config["profile"]
+RESULTS = config.get("results") or f"results/{PROFILE}"
+ARMS = list(config["arms"])
+PY = config["python"] or sys.executable
+FIGS = f"{RESULTS}/figures"
+LOGS = f"{RESULTS}/logs"
+
+_missing = [a for a in ARMS if not (REPO / "configs" / "arms" / f"{a}.yaml").is_file()]
+if _missing:
+    _known = sorted(p.stem for p in (REPO / "configs" / "arms").glob("*.yaml"))
+    raise WorkflowError(f"unknown arm(s) {_missing} in config 'arms' (configs/arms/ has: {', '.join(_known)})")
+
+
+wildcard_constraints:
+    arm="|".join(re.escape(a) for a in ARMS),
+
+
+def arm_yaml(wildcards):
+    """The arm's YAML: an input of every per-arm rule, so editing one arm reruns only that arm."""
+    return str(REPO / "configs" / "arms" / f"{wildcards.arm}.yaml")
+
+
+def job(name: str) -> dict:
+    return config["jobs"][name]
+
+
+def model_inputs(name: str) -> list[str]:
+    """The job's model YAML (configs/models/<model>.yaml, or the path given) and its declared extra inputs."""
+    j = job(name)
+    files = [str(REPO / f) for f in j.get("inputs", [])]
+    model = j.get("model")
+    if model:
+        p = REPO / "configs" / "models" / f"{model}.yaml"
+        files.append(str(p) if p.is_file() else model)
+    return files
+
+
+def render_args(args: dict) -> str:
+    """{'steps': 3, 'fast': True, 'skip': None, 'm': [1, 2]} -> '--steps 3 --fast --m 1 2' (shell-quoted)."""
+    out = []
+    for key, value in args.items():
+        if value is None or value is False:
+            continue
+        out.append(f"--{key}")
+        if value is True:
+            continue
+        out += [shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value])]
+    return " ".join(out)
+
+
+def job_args(name: str) -> str:
+    """The flags of job `name` from the config: --model first (when set), then `args` in order."""
+    j = job(name)
+    model = f"--model {shlex.quote(j['model'])} " if j.get("model") else ""
+    return (model + render_args(j.get("args", {}))).strip()
+
+
+def job_threads(name: str) -> int:
+    t = job(name).get("threads", "all")
+    return workflow.cores if t == "all" else min(int(t), workflow.cores)
+
+
+def job_gpus(name: str) -> int:
+    return int(job(name).get("gpu", 0))
+
+
+def per_arm(pattern: str) -> list[str]:
+    return expand(pattern, arm=ARMS)

@@ -1,0 +1,65 @@
+# Figures from the results (png for the report, pdf beside it). `python -m minite.report figure ...`
+# reads the results and draws; it recomputes nothing.
+
+
+rule figure_drift:
+    input:
+        per_arm(f"{RESULTS}/{{arm}}/stability_summary.json"),
+    output:
+        png=report(f"{FIGS}/drift.png", caption="../report/drift.rst", category="Stability"),
+        pdf=f"{FIGS}/drift.pdf",
+    params:
+        arms=" ".join(ARMS),
+    log:
+        f"{LOGS}/figures/drift.log",
+    shell:
+        "{PY} -m minite.report figure drift --results {RESULTS} --arms {params.arms}"
+        " --smooth {config[smooth]} --out {FIGS}/drift > {log} 2>&1"
+
+
+rule figure_reward_eval:
+    input:
+        per_arm(f"{RESULTS}/{{arm}}/stability_summary.json"),
+        per_arm(f"{RESULTS}/{{arm}}/evals.csv"),
+    output:
+        png=report(f"{FIGS}/reward_eval.png", caption="../report/reward_eval.rst", category="Stability"),
+        pdf=f"{FIGS}/reward_eval.pdf",
+    params:
+        arms=" ".join(ARMS),
+    log:
+        f"{LOGS}/figures/reward_eval.log",
+    shell:
+        "{PY} -m minite.report figure reward --results {RESULTS} --arms {params.arms}"
+        " --smooth {config[smooth]} --out {FIGS}/reward_eval > {log} 2>&1"
+
+
+rule figure_kernels:
+    input:
+        f"{RESULTS}/kernels.csv",
+    output:
+        png=report(f"{FIGS}/kernels.png", caption="../report/kernels.rst", category="Kernels"),
+        pdf=f"{FIGS}/kernels.pdf",
+    log:
+        f"{LOGS}/figures/kernels.log",
+    shell:
+        "{PY} -m minite.report figure kernels --results {RESULTS} --out {FIGS}/kernels > {log} 2>&1"
+
+
+rule figure_diagnostics:
+    input:
+        per_arm(f"{RESULTS}/{{arm}}/diagnostics/mismatch.json"),
+        per_arm(f"{RESULTS}/{{arm}}/diagnostics/layers.csv"),
+        per_arm(f"{RESULTS}/{{arm}}/diagnostics/attribution.csv"),
+    output:
+        attribution=report(f"{FIGS}/attribution.png", caption="../report/attribution.rst",
+                           category="Diagnostics"),
+        attribution_pdf=f"{FIGS}/attribution.pdf",
+        layers=report(f"{FIGS}/layers.png", caption="../report/layers.rst", category="Diagnostics"),
+        layers_pdf=f"{FIGS}/layers.pdf",
+    params:
+        arms=" ".join(ARMS),
+    log:
+        f"{LOGS}/figures/diagnostics.log",
+    shell:
+        "{PY} -m minite.report figure diagnostics --results {RESULTS} --arms {params.arms}"
+        " --out {FIGS} > {log} 2>&1"

@@ -1,0 +1,17 @@
+# NVFP4 kernel check + timing (GPU: the job fails with a clear error without one).
+
+
+rule kernel_bench_csv:
+    input:
+        [str(REPO / f) for f in job("kernel_bench").get("inputs", [])],
+    output:
+        f"{RESULTS}/kernels.csv",
+    params:
+        args=job_args("kernel_bench"),
+    log:
+        f"{LOGS}/kernel_bench.log",
+    threads: job_threads("kernel_bench")
+    resources:
+        gpu=job_gpus("kernel_bench"),
+    shell:
+        "{PY} -m minite kernel-bench {params.args} --out {output} > {log} 2>&1"

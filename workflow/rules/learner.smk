@@ -1,0 +1,51 @@
+# Learner throughput: bench-learner per arm, then the table (csv/md/tex) and the bar figure.
+
+
+rule bench_learner:
+    input:
+        arm=arm_yaml,
+        model=model_inputs("bench_learner"),
+    output:
+        f"{RESULTS}/{{arm}}/learner.json",
+    params:
+        args=job_args("bench_learner"),
+    log:
+        f"{LOGS}/bench_learner/{{arm}}.log",
+    threads: job_threads("bench_learner")  # a benchmark: by default it has the machine to itself
+    resources:
+        gpu=job_gpus("bench_learner"),
+    shell:
+        "OMP_NUM_THREADS={threads} {PY} -m minite bench-learner --arm {wildcards.arm} {params.args}"
+        " --out {output} > {log} 2>&1"
+
+
+rule throughput_table_files:
+    input:
+        per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+    output:
+        csv=report(f"{RESULTS}/throughput_table.csv", caption="../report/throughput_table.rst",
+                   category="Throughput"),
+        md=f"{RESULTS}/throughput_table.md",
+        tex=f"{RESULTS}/throughput_table.tex",
+    params:
+        arms=" ".join(ARMS),
+    log:
+        f"{LOGS}/throughput_table.log",
+    shell:
+        "{PY} -m minite.report table --results {RESULTS} --arms {params.arms} --profile {PROFILE}"
+        " --out {RESULTS}/throughput_table > {log} 2>&1"
+
+
+rule figure_throughput:
+    input:
+        per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+    output:
+        png=report(f"{FIGS}/throughput.png", caption="../report/throughput.rst", category="Throughput"),
+        pdf=f"{FIGS}/throughput.pdf",
+    params:
+        arms=" ".join(ARMS),
+    log:
+        f"{LOGS}/figures/throughput.log",
+    shell:
+        "{PY} -m minite.report figure throughput --results {RESULTS} --arms {params.arms}"
+        " --out {FIGS}/throughput > {log} 2>&1"

@@ -1,0 +1,30 @@
+# Notebooks (notebooks/*.ipynb, papermill-parameterised with `results_dir` and `arms`) executed into
+# results/<profile>/notebooks/. They read the results and plot; they never recompute.
+
+
+def notebook_inputs(wildcards):
+    learner = per_arm(f"{RESULTS}/{{arm}}/learner.json")
+    return {
+        "drift": per_arm(f"{RESULTS}/{{arm}}/stability_summary.json") + per_arm(f"{RESULTS}/{{arm}}/evals.csv"),
+        "throughput": learner + ([f"{RESULTS}/kernels.csv"] if config["gpu"] else []),
+        "diagnostics": per_arm(f"{RESULTS}/{{arm}}/diagnostics/mismatch.json")
+        + per_arm(f"{RESULTS}/{{arm}}/diagnostics/layers.csv")
+        + per_arm(f"{RESULTS}/{{arm}}/diagnostics/attribution.csv"),
+    }[wildcards.nb]
+
+
+rule notebook:
+    input:
+        nb=str(REPO / "notebooks" / "{nb}.ipynb"),
+        results=notebook_inputs,
+    output:
+        report(f"{RESULTS}/notebooks/{{nb}}.ipynb", caption="../report/notebooks.rst", category="Notebooks"),
+    wildcard_constraints:
+        nb="|".join(NOTEBOOKS),
+    params:
+        arms=lambda wc: "[" + ", ".join(ARMS) + "]",
+    log:
+        f"{LOGS}/notebooks/{{nb}}.log",
+    shell:
+        "{PY} -m papermill {input.nb} {output} -k python3 -p results_dir {RESULTS} -y 'arms: {params.arms}'"
+        " --no-progress-bar > {log} 2>&1"

@@ -1,0 +1,64 @@
+# SFT warm start (shared by all arms), long-horizon GRPO per arm, held-out evals per arm.
+#
+# The RL job is resumable: its checkpoints (<arm>/ckpt/) and step log (<arm>/stability.jsonl) are not
+# declared outputs, so snakemake never deletes them; only stability_summary.json (written at the end) is.
+# A killed run therefore resumes from its last checkpoint when the target is requested again, and raising
+# `steps` in the config (a params change) extends the run instead of restarting it.
+
+
+rule sft:
+    input:
+        model_inputs("sft"),
+    output:
+        f"{RESULTS}/sft/sft.json",
+    params:
+        args=job_args("sft"),
+        out=f"{RESULTS}/sft",
+    log:
+        f"{LOGS}/sft.log",
+    threads: job_threads("sft")
+    resources:
+        gpu=job_gpus("sft"),
+    shell:
+        "OMP_NUM_THREADS={threads} {PY} -m minite sft {params.args} --out {params.out} > {log} 2>&1"
+
+
+rule rl:
+    input:
+        arm=arm_yaml,
+        model=model_inputs("rl"),
+        sft=rules.sft.output,
+    output:
+        f"{RESULTS}/{{arm}}/stability_summary.json",
+    params:
+        args=job_args("rl"),
+        init=f"{RESULTS}/sft",
+        out=lambda wc: f"{RESULTS}/{wc.arm}",
+    log:
+        f"{LOGS}/rl/{{arm}}.log",
+    threads: job_threads("rl")
+    resources:
+        gpu=job_gpus("rl"),
+    shell:
+        "OMP_NUM_THREADS={threads} {PY} -m minite rl --arm {wildcards.arm} {params.args}"
+        " --init {params.init} --out {params.out} >> {log} 2>&1"
+
+
+rule eval:
+    input:
+        arm=arm_yaml,
+        model=model_inputs("eval"),
+        run=rules.rl.output,
+    output:
+        f"{RESULTS}/{{arm}}/evals.csv",
+    params:
+        args=job_args("eval"),
+        run=lambda wc: f"{RESULTS}/{wc.arm}",
+    log:
+        f"{LOGS}/eval/{{arm}}.log",
+    threads: job_threads("eval")
+    resources:
+        gpu=job_gpus("eval"),
+    shell:
+        "OMP_NUM_THREADS={threads} {PY} -m minite eval --arm {wildcards.arm} {params.args}"
+        " --run {params.run} --out {output} > {log} 2>&1"
