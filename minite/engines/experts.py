@@ -1,0 +1,170 @@
+"""MoE experts for the trainer, plugged into transformers' own ``ExpertsInterface``.
+
+HF's ``Qwen3MoeExperts`` holds 3D parameters ``gate_up_proj`` [E, 2I, H] (gate rows first, then up) and
+``down_proj`` [E, H, I]; its forward dispatches on ``config._experts_implementation``. We register
+``"minite_nvfp4"`` there (as transformers registers ``grouped_mm``) — no monkeypatching. Per module:
+an experts module carrying a ``minite_quant`` (``ExpertsQuant``) runs NVFP4; one without (a BF16 arm, or a
+layer the arm keeps in high precision) runs transformers' own ``grouped_mm`` forward.
+
+NVFP4 path: tokens sorted by expert; the activations of all experts are quantized in one call (per-row or
+per-tensor amax per the arm); the grouped GEMM is ``minite.kernels.grouped_nvfp4_gemm`` on gemm "kernel"
+(a per-expert loop over ``minite.engines.gemm.nvfp4_gemm`` only if that kernel is missing) or, on gemm
+"emulated", dequantize + one BF16 ``torch._grouped_mm``. gate_up's gate and up halves keep separate global
+scales when ``fused_shards: per_shard`` (one NVFP4 tensor per expert with a per-row global scale [2I]).
+Backward: TE's treatment as in ``quant_linear`` — dgrad with SR-quantized dy against the quantized W,
+wgrad per expert with both operands quantized along tokens (RHT), expert segments padded to 16 tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from minite.engines import gemm as G
+from minite.engines import quant_linear as Q
+
+EXPERTS_NAME = "minite_nvfp4"
+
+
+def _experts_interface():
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    except ImportError as e:  # transformers < 5: experts were per-expert nn.Linear modules
+        raise RuntimeError("minite needs transformers >= 5 with transformers.integrations.moe.ExpertsInterface "
+                           f"(Qwen3-MoE experts as 3D parameters); import failed: {e}") from None
+    if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
+        raise RuntimeError("transformers' ExpertsInterface has no 'grouped_mm' implementation; "
+                           "this transformers version is not supported (tested: 5.17, 5.24)")
+    return ExpertsInterface, ALL_EXPERTS_FUNCTIONS
+
+
+def register_experts() -> str:
+    """Register minite's experts forward (idempotent); returns the ``_experts_implementation`` name."""
+    iface, _ = _experts_interface()
+    iface.register(EXPERTS_NAME, minite_experts_forward)
+    return EXPERTS_NAME
+
+
+class ExpertsQuant:
+    """Attached to an HF experts module as ``minite_quant``: the shared QuantState and one weight cache
+    per 3D parameter (gate_up as two shards)."""
+
+    def __init__(self, state: Q.QuantState):
+        self.state = state
+        self.gate_up = Q.WeightCache(state, state.recipe.weights, shards=2)
+        self.down = Q.WeightCache(state, state.recipe.weights, shards=1)
+
+
+# ------------------------------------------------------------------------------------------ grouped GEMMs
+def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [S, K] (rows sorted by expert) @ w[e] ([E, K, N]) per group; ``ends`` int32 [E] cumulative."""
+    if hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and x.shape[0] > 0:
+        return torch._grouped_mm(x, w, offs=ends)
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+def _rows(t, s: int, e: int):
+    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[s:e]
+    return type(t)(t.codes[s:e], t.scales[s:e], g)
+
+
+def grouped_nvfp4(a, qw: Q.QWeight, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
+    """The one call site of the grouped W4A4 kernel (fallback: per-expert loop, CPU/missing kernel only)."""
+    fn = getattr(Q._kernels, "grouped_nvfp4_gemm", None)
+    if fn is not None:
+        return fn(a, qw.experts(), offsets, out_dtype=out_dtype)
+    out = torch.zeros(a.shape[0], qw.codes.shape[1], dtype=out_dtype, device=a.device)
+    bounds = offsets.tolist()
+    for e in range(len(bounds) - 1):
+        s, t = bounds[e], bounds[e + 1]
+        if t > s:
+            out[s:t] = G.nvfp4_gemm(_rows(a, s, t), qw.tensor(e), "kernel", out_dtype=out_dtype)
+    return out
+
+
+def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
+    r = state.recipe
+    state.act_quantizations += 1
+    a = G.quantize_activation(x, r.activations)
+    if r.gemm == "emulated":
+        return bf16_grouped_mm(Q._dq(a), qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
+    return grouped_nvfp4(a, qw, offsets, out_dtype=x.dtype)
+
+
+def _padded_layout(offsets: torch.Tensor):
+    """Row destinations when every expert segment is padded to a multiple of 16, and the padded ends."""
+    counts = offsets[1:] - offsets[:-1]
+    pcounts = (counts + 15) // 16 * 16
+    pstart = torch.cumsum(pcounts, 0) - pcounts
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
+    rows = torch.arange(int(offsets[-1]), device=offsets.device)
+    dest = pstart[seg] + rows - offsets[:-1][seg]
+    return dest, torch.cumsum(pcounts, 0).to(torch.int32), int(pcounts.sum()), counts
+
+
+class _GroupedNVFP4Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, qw: Q.QWeight, offsets, state):
+        ctx.state = state
+        ctx.save_for_backward(x, qw.dq, offsets)
+        return _grouped_forward(x, qw, offsets, state)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_dq, offsets = ctx.saved_tensors
+        st = ctx.state
+        r = st.recipe
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dy [S, N] @ W_e [N, K]
+            dx = bf16_grouped_mm(Q.qdq_grad(dy, st, r.backward_rounding), w_dq, offsets[1:]).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
+            dest, pends, mp, counts = _padded_layout(offsets)
+            dyp = dy.new_zeros(mp, dy.shape[1]).index_copy_(0, dest, dy)
+            xp = x.new_zeros(mp, x.shape[1]).index_copy_(0, dest, x)
+            dyt = Q.qdq_grad(dyp.t().contiguous(), st, r.backward_rounding, r.backward_rht)
+            xt = Q.qdq_grad(xp.t().contiguous(), st, "nearest", r.backward_rht)
+            if hasattr(torch, "_grouped_mm") and mp > 0:
+                dw = torch._grouped_mm(dyt, xt.t(), offs=pends)
+                dw = torch.where((counts > 0)[:, None, None], dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
+            else:
+                dw = w_dq.new_zeros(w_dq.shape)
+                start = 0
+                for e, end in enumerate(pends.tolist()):
+                    if end > start:
+                        dw[e] = dyt[:, start:end] @ xt[:, start:end].T
+                    start = end
+            dw = dw.to(w_dq.dtype)
+        return dx, dw, None, None, None
+
+
+def minite_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """ExpertsInterface implementation (same signature and result layout as transformers' grouped_mm)."""
+    q: ExpertsQuant | None = getattr(self, "minite_quant", None)
+    if q is None:
+        _, fns = _experts_interface()
+        return fns["grouped_mm"](self, hidden_states, top_k_index, top_k_weights)
+    if not getattr(self, "has_gate", True) or getattr(self, "is_transposed", False) \
+            or getattr(self, "has_bias", False) or getattr(self, "_is_expert_parallel", False):
+        raise RuntimeError("minite_nvfp4 experts support Qwen3-MoE's layout only (gated, [E, N, K], no bias, "
+                           "no expert parallelism)")
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    expert_ids = top_k_index.reshape(-1)
+    ids_sorted, perm = torch.sort(expert_ids, stable=True)
+    x = hidden_states[perm // top_k]
+    counts = torch.bincount(ids_sorted, minlength=self.num_experts)
+    offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    st = q.state
+    h = _GroupedNVFP4Fn.apply(x, self.gate_up_proj, q.gate_up.get(self.gate_up_proj), offsets, st)
+    h = self._apply_gate(h)
+    out = _GroupedNVFP4Fn.apply(h, self.down_proj, q.down.get(self.down_proj), offsets, st)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inv].view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)

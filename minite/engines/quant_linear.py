@@ -1,0 +1,284 @@
+"""The trainer's NVFP4 linears: weight quantizers, forward/backward autograd, and the modules that replace
+HF's ``nn.Linear`` projections and quantize the router.
+
+Forward (per ``EngineRecipe``): ``y = x W^T`` with x quantized per ``recipe.activations`` (1x16, RNE) and W
+per ``recipe.weights`` (formula "te", 16x16 tiles), then ``minite.engines.gemm`` on ``recipe.gemm``.
+
+Backward, Transformer Engine's NVFP4 gradient treatment:
+    dgrad  dx = dy W        dy quantized 1x16 along N with ``backward_rounding`` (stochastic in TE);
+                            W in its quantized form (16x16 tiles make W and W^T the same codes).
+    wgrad  dW = dy^T x      both operands quantized 1x16 along the token (reduction) dimension, with the
+                            16-point RHT when ``backward_rht``; dy with ``backward_rounding``, x with RNE.
+    Backward operands use one dynamic amax per tensor (TE's recipe); their GEMMs run on dequantized BF16
+    operands (what TE does on Hopper; on Blackwell TE would use FP4 tensor cores — same codes).
+    Token counts are zero-padded to a multiple of 16 for the wgrad blocks (zero rows add nothing, and the
+    Hadamard transform is orthogonal, so padding does not change the product).
+
+Weight caching (``QuantState.cache_per_update``): the naive arm re-quantizes W from the BF16 master on every
+forward (TE's default); the minite arm quantizes once per update — a cache keyed on ``QuantState.version``,
+which the trainer bumps after each optimizer step — and those cached codes are exactly what
+``Trainer.export_weights`` ships. Weights whose N is not a multiple of 16 (a tiny model's router) fall back
+to 1x16 blocks; K % 16 != 0 raises.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minite import nvfp4
+from minite.engines import gemm as G
+from minite.engines.arms import EngineRecipe, QuantSpec
+
+try:
+    from minite import kernels as _kernels
+except ImportError:  # pragma: no cover
+    _kernels = None
+
+
+class QuantState:
+    """What every NVFP4 module of one trainer shares: the recipe, the update counter the weight cache is
+    keyed on, the generator stochastic rounding draws its seeds from, and counters for timing reports."""
+
+    def __init__(self, recipe: EngineRecipe, cache_per_update: bool, seed: int = 0):
+        self.recipe = recipe
+        self.cache_per_update = cache_per_update
+        self.version = 0
+        self.generator = torch.Generator().manual_seed(int(seed) + 7919)  # CPU: only draws SR seeds
+        self.weight_quantizations = 0        # weight tensors quantized (one per module per quantization)
+        self.act_quantizations = 0           # activation / gradient tensors quantized
+        self.quantize_s = 0.0                # host wall time in weight quantization (exact on CPU only)
+
+    def bump(self) -> None:
+        """The master weights changed (optimizer step / load): cached codes are stale."""
+        self.version += 1
+
+
+# ------------------------------------------------------------------------------------------- weights
+@dataclass
+class QWeight:
+    """Quantized weight(s): codes uint8 [(E,) N, K/2], scales e4m3 [(E,) N, K/16], global_scale fp32
+    [(E,)] or [(E,) N] (per-shard scales spelled out per row), and ``dq`` = the dequantized BF16 values
+    (what the emulated GEMMs and dgrad use)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    dq: torch.Tensor
+
+    def tensor(self, e: int | None = None) -> nvfp4.NVFP4Tensor:
+        if e is None:
+            return nvfp4.NVFP4Tensor(self.codes, self.scales, self.global_scale)
+        return nvfp4.NVFP4Tensor(self.codes[e], self.scales[e], self.global_scale[e])
+
+    def tensors(self) -> list[nvfp4.NVFP4Tensor]:
+        return [self.tensor(e) for e in range(self.codes.shape[0])]
+
+    def experts(self):
+        """The stacked form minite.kernels.grouped_nvfp4_gemm takes."""
+        return _kernels.NVFP4Experts(self.codes, self.scales, self.global_scale)
+
+
+def _weight_tile(spec: QuantSpec, n: int) -> tuple[int, int]:
+    return tuple(spec.tile) if n % 16 == 0 else (1, 16)
+
+
+def _quantize_te_groups(w: torch.Tensor, tile, shards: int) -> tuple[torch.Tensor, ...]:
+    """TE-formula quantization of w [G, N, K] with one global amax per (group, shard) — the same arithmetic
+    as ``minite.nvfp4.quantize(formula="te", scaling="tensor")`` applied to each [N/shards, K] piece (the
+    tests check bit equality), vectorised so 128 experts cost one pass instead of 256 calls."""
+    g, n, k = w.shape
+    x = w.to(torch.float32)
+    amax = x.abs().view(g, shards, n // shards, k).amax(dim=(2, 3))                    # [G, S]
+    s_enc, s_dec = nvfp4._te_global(amax)
+    s_enc = s_enc.repeat_interleave(n // shards, dim=1)                                  # [G, N]
+    s_dec = s_dec.repeat_interleave(n // shards, dim=1)
+    if tuple(tile) == (16, 16):
+        bamax = x.abs().view(g, n // 16, 16, k // 16, 16).amax(dim=(2, 4)).repeat_interleave(16, dim=1)
+    else:
+        bamax = x.abs().view(g, n, k // 16, 16).amax(dim=-1)
+    mult = s_enc * torch.tensor(1.0 / nvfp4.FP4_MAX, dtype=torch.float32, device=w.device)
+    s = torch.clamp(torch.clamp(bamax * mult[..., None], max=nvfp4.FLT_MAX), -nvfp4.E4M3_MAX, nvfp4.E4M3_MAX)
+    s = s.to(torch.float8_e4m3fn)
+    enc = torch.clamp(1.0 / (s.to(torch.float32) * s_dec[..., None]), max=nvfp4.FLT_MAX)
+    v = torch.clamp(x.view(g, n, k // 16, 16) * enc[..., None], -nvfp4.FP4_MAX, nvfp4.FP4_MAX).view(g * n, k)
+    codes4 = nvfp4._rne_e2m1_magnitude(v.abs()) | ((v < 0).to(torch.uint8) << 3)
+    return nvfp4.pack_codes(codes4).view(g, n, k // 2), s, s_dec
+
+
+def quantize_weight(w: torch.Tensor, spec: QuantSpec, shards: int = 1) -> QWeight:
+    """w [N, K] or [E, N, K] (BF16 master) -> QWeight. ``shards``: fused pieces along N (2 for gate/up);
+    with ``spec.fused_shards == "per_shard"`` each keeps its own global scale, else one over all of them."""
+    squeeze = w.dim() == 2
+    w3 = w.detach().unsqueeze(0) if squeeze else w.detach()
+    e, n, k = w3.shape
+    if k % 16:
+        raise ValueError(f"NVFP4 weight needs K % 16 == 0, got K = {k}")
+    nshard = shards if spec.fused_shards == "per_shard" else 1
+    tile = _weight_tile(spec, n // nshard)
+    nvfp4.check_finite(w3, "weight")
+    if spec.formula == "te" and spec.scaling == "tensor":
+        codes, scales, gdec = _quantize_te_groups(w3, tile, nshard)
+    else:  # other formulas: the reference quantizer, one call per (expert, shard)
+        parts = [[nvfp4.quantize(piece, **{**spec.quantize_kwargs(), "tile": tile})
+                  for piece in w3[i].chunk(nshard, dim=0)] for i in range(e)]
+        codes = torch.stack([torch.cat([p.codes for p in ps]) for ps in parts])
+        scales = torch.stack([torch.cat([p.scales for p in ps]) for ps in parts])
+        gdec = torch.stack([torch.cat([p.row_global_scale() for p in ps]) for ps in parts])
+    if nshard == 1:
+        gdec = gdec[:, 0].contiguous()          # one scalar per weight (per expert)
+    vals = nvfp4.e2m1_decode(nvfp4.unpack_codes(codes.view(e * n, k // 2))).view(e, n, k // 16, 16)
+    g = gdec if gdec.dim() == 1 else gdec[..., None]
+    dq = (vals * scales.to(torch.float32)[..., None]).view(e, n, k) * g.view(e, -1, 1)
+    dq = dq.to(torch.bfloat16)
+    if squeeze:
+        return QWeight(codes[0], scales[0], gdec[0], dq[0])
+    return QWeight(codes, scales, gdec, dq)
+
+
+class WeightCache:
+    """Per-module cached QWeight: valid for one ``QuantState.version`` when caching per update."""
+
+    def __init__(self, state: QuantState, spec: QuantSpec, shards: int = 1):
+        self.state, self.spec, self.shards = state, spec, shards
+        self._version, self._q = None, None
+
+    def get(self, w: torch.Tensor) -> QWeight:
+        st = self.state
+        if st.cache_per_update and self._q is not None and self._version == st.version:
+            return self._q
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            q = quantize_weight(w, self.spec, self.shards)
+        st.quantize_s += time.perf_counter() - t0
+        st.weight_quantizations += 1
+        if st.cache_per_update:
+            self._version, self._q = st.version, q
+        return q
+
+
+# --------------------------------------------------------------------------------- activations / grads
+def _quantize(x2d: torch.Tensor, state: QuantState, **kw) -> nvfp4.NVFP4Tensor:
+    state.act_quantizations += 1
+    fast = getattr(_kernels, "quantize", None)
+    fn = fast if (fast is not None and x2d.is_cuda) else nvfp4.quantize
+    return fn(x2d, generator=state.generator if kw.get("rounding") == "stochastic" else None, **kw)
+
+
+def _dq(t: nvfp4.NVFP4Tensor) -> torch.Tensor:
+    return nvfp4.dequantize(t).to(torch.bfloat16)
+
+
+def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = False) -> torch.Tensor:
+    """Quantize-dequantize a backward operand [M, K] in 1x16 blocks along K (tensor amax, formula te).
+    K % 16 != 0 (a tiny router's N = 8 as dgrad's K) leaves it in BF16."""
+    if x2d.shape[1] % 16:
+        return x2d.to(torch.bfloat16)
+    return _dq(_quantize(x2d, state, formula="te", tile=(1, 16), scaling="tensor", rounding=rounding, rht=rht))
+
+
+def _pad_tokens(x2d: torch.Tensor) -> torch.Tensor:
+    pad = (-x2d.shape[0]) % 16
+    return torch.nn.functional.pad(x2d, (0, 0, 0, pad)) if pad else x2d
+
+
+def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState):
+    """(dy^T, x^T) quantize-dequantized along the token dimension, BF16 [N, M'], [K, M'] (M' padded)."""
+    r = state.recipe
+    dyt = qdq_grad(_pad_tokens(dy2d).t().contiguous(), state, r.backward_rounding, r.backward_rht)
+    xt = qdq_grad(_pad_tokens(x2d).t().contiguous(), state, "nearest", r.backward_rht)
+    return dyt, xt
+
+
+def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -> torch.Tensor:
+    """Quantize x per the activation spec, then the recipe's GEMM with the quantized weight."""
+    r = state.recipe
+    state.act_quantizations += 1
+    a = G.quantize_activation(x2d, r.activations)
+    if r.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
+        return torch.matmul(_dq(a), qw.dq.T).to(out_dtype)
+    return G.nvfp4_gemm(a, qw.tensor(), r.gemm, out_dtype=out_dtype)
+
+
+class _NVFP4LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, qw: QWeight, state: QuantState):
+        ctx.state = state
+        ctx.save_for_backward(x2d, qw.dq)
+        return forward_gemm(x2d, qw, state, out_dtype=x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w_dq = ctx.saved_tensors
+        st = ctx.state
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(qdq_grad(dy, st, st.recipe.backward_rounding), w_dq).to(x2d.dtype)
+        if ctx.needs_input_grad[1]:
+            dyt, xt = wgrad_operands(dy, x2d, st)
+            dw = torch.matmul(dyt, xt.T).to(w_dq.dtype)
+        return dx, dw, None, None
+
+
+def nvfp4_linear_fn(x: torch.Tensor, weight: torch.Tensor, qw: QWeight, state: QuantState) -> torch.Tensor:
+    k = x.shape[-1]
+    y = _NVFP4LinearFn.apply(x.reshape(-1, k), weight, qw, state)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class NVFP4Linear(nn.Module):
+    """Drop-in for a bias-free ``nn.Linear``: same ``weight`` Parameter (so HF parameter names and hooks
+    are unchanged), NVFP4 forward/backward per the trainer recipe."""
+
+    def __init__(self, weight: nn.Parameter, state: QuantState):
+        super().__init__()
+        n, k = weight.shape
+        if k % 16:
+            raise ValueError(f"NVFP4Linear needs in_features % 16 == 0, got {k}")
+        self.in_features, self.out_features = k, n
+        self.weight = weight
+        self.state = state
+        self.cache = WeightCache(state, state.recipe.weights)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, state: QuantState) -> "NVFP4Linear":
+        if lin.bias is not None:
+            raise ValueError("NVFP4Linear: Qwen3-MoE projections have no bias")
+        return cls(lin.weight, state)
+
+    def quantized(self) -> QWeight:
+        return self.cache.get(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nvfp4_linear_fn(x, self.weight, self.quantized(), self.state)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4"
+
+
+def make_router(base_cls):
+    """A subclass of HF's ``Qwen3MoeTopKRouter`` whose logits GEMM is NVFP4 (same ``weight`` Parameter,
+    same softmax / top-k / renormalisation as upstream; isinstance checks and output recorders still see
+    an HF router)."""
+
+    class NVFP4TopKRouter(base_cls):
+        def attach(self, state: QuantState):
+            self.state = state
+            self.cache = WeightCache(state, state.recipe.weights)
+            return self
+
+        def quantized(self) -> QWeight:
+            return self.cache.get(self.weight)
+
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            router_logits = nvfp4_linear_fn(hidden_states, self.weight, self.quantized(), self.state)
+            router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+            router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+            return router_logits, router_top_value.to(router_logits.dtype), router_indices
+
+    return NVFP4TopKRouter

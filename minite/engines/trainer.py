@@ -1,0 +1,242 @@
+"""The training engine: upstream ``transformers.Qwen3MoeForCausalLM`` with arm-specific modules.
+
+What the arm's ``trainer`` recipe changes, and how (all through public modules / extension points):
+    q/k/v/o projections (and lm_head unless high precision)  -> ``quant_linear.NVFP4Linear`` (same Parameter)
+    router (``Qwen3MoeTopKRouter``) unless high precision     -> an HF-router subclass with an NVFP4 GEMM
+    experts (3D params)       -> transformers' ``ExpertsInterface``: "grouped_mm" (BF16) or "minite_nvfp4"
+    attention                 -> transformers' ``AttentionInterface``: "sdpa" or "minite_invariant"
+    embeddings, norms, rotary, SiLU, softmax: upstream HF ops, BF16.
+Layers in ``first_layer`` / ``last_layer`` keep all their GEMMs in BF16 when the arm lists them.
+
+Precision: the model holds BF16 weights and computes in BF16; the optimizer (AdamW) holds fp32 master
+weights and fp32 state. Micro-batch gradients are accumulated in fp32 on the masters; after the step the
+masters are copied (rounded) into the BF16 model and the NVFP4 weight cache is invalidated.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from minite.engines import experts as X
+from minite.engines import quant_linear as Q
+from minite.engines.arms import Arm, load_arm
+from minite.engines.models import build_hf_config, build_hf_model, load_model_config
+from minite.provenance import atomic_path
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def default_loss(logprobs: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Masked mean NLL over the response tokens of the *whole* batch (``batch["_n_tokens"]``)."""
+    m = batch["loss_mask"][:, 1:].to(logprobs.dtype)
+    return -(logprobs * m).sum() / batch["_n_tokens"]
+
+
+class Trainer:
+    def __init__(self, arm: Arm | str, model_cfg: dict | str, device: str = "cpu", seed: int = 0,
+                 lr: float = 1e-4, micro_batch_size: int | None = None, checkpoint: str | None = None,
+                 weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0):
+        self.arm = load_arm(arm) if isinstance(arm, str) else arm
+        self.model_cfg = load_model_config(model_cfg)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device cuda requested but no CUDA GPU is available")
+        r = self.arm.trainer
+        if r.non_gemm != "hf":
+            raise ValueError(f"trainer non_gemm {r.non_gemm!r}: the trainer runs upstream HF ops only ('hf')")
+        if r.gemm == "te":
+            from minite.engines.te_backend import require_te
+            require_te()
+        self.seed, self.micro_batch_size, self.grad_clip = seed, micro_batch_size, grad_clip
+        attn = "sdpa"
+        if r.attention == "invariant":
+            from minite.engines.attention import register_attention
+            attn = register_attention()
+        experts_impl = X.register_experts() if r.is_nvfp4 else "grouped_mm"
+        self.hf_config = build_hf_config(self.model_cfg, attn_implementation=attn,
+                                         experts_implementation=experts_impl)
+        self.model = build_hf_model(self.model_cfg, self.hf_config, seed=seed, checkpoint=checkpoint)
+        # minite arm: weights quantized once per update (the codes the sampler gets); naive: every forward
+        self.qstate = Q.QuantState(r, cache_per_update=self.arm.sync == "nvfp4_codes", seed=seed)
+        if r.is_nvfp4:
+            self._swap_modules()
+        self.model.to(self.device)
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.params = [p for _, p in self.model.named_parameters()]
+        self.master = [p.detach().float().clone() for p in self.params]
+        kw = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                           **kw)
+        self.update_count = 0
+
+    # ---------------------------------------------------------------------------------------- building
+    def _swap_modules(self) -> None:
+        r, st = self.arm.trainer, self.qstate
+        layers = self.model.model.layers
+        router_cls = None
+        for i, layer in enumerate(layers):
+            def hp(kind, i=i):
+                return r.keeps_high_precision(kind, i, len(layers))
+            for name in _LINEARS:
+                if not hp(name):
+                    setattr(layer.self_attn, name, Q.NVFP4Linear.from_linear(getattr(layer.self_attn, name), st))
+            mlp = layer.mlp
+            if not hasattr(mlp, "experts"):
+                raise RuntimeError(f"layer {i}: expected a Qwen3MoeSparseMoeBlock (dense MLP layers unsupported)")
+            if not hp("experts"):
+                mlp.experts.minite_quant = X.ExpertsQuant(st)
+            if not hp("router"):
+                router_cls = router_cls or Q.make_router(type(mlp.gate))
+                new = router_cls(self.hf_config)
+                new.weight = mlp.gate.weight
+                mlp.gate = new.attach(st)
+        if not r.keeps_high_precision("lm_head"):
+            if self.model_cfg.get("tie_word_embeddings"):
+                raise ValueError("an NVFP4 lm_head with tied embeddings is not supported; keep lm_head BF16")
+            self.model.lm_head = Q.NVFP4Linear.from_linear(self.model.lm_head, st)
+
+    # ------------------------------------------------------------------------------------------ compute
+    def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = logits[:, :-1].float()
+        targets = input_ids[:, 1:]
+        lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                reduction="none")
+        return lp.view(targets.shape)
+
+    def _batch(self, batch: dict) -> dict:
+        ids = batch["input_ids"]
+        if ids.dim() != 2 or ids.dtype != torch.long:
+            raise ValueError(f"input_ids must be a long [B, T] tensor, got {ids.dtype} {tuple(ids.shape)}")
+        if int(ids.max()) >= self.model_cfg["vocab_size"] or int(ids.min()) < 0:
+            raise ValueError(f"input_ids outside the vocabulary 0..{self.model_cfg['vocab_size'] - 1}")
+        out = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        out.setdefault("attention_mask", torch.ones_like(out["input_ids"]))
+        out.setdefault("loss_mask", out["attention_mask"])
+        return out
+
+    def _chunks(self, b: int):
+        mbs = self.micro_batch_size or b
+        return [slice(s, min(s + mbs, b)) for s in range(0, b, mbs)]
+
+    def update(self, batch: dict, loss_fn=None) -> dict:
+        """One complete learner update (forward, backward, AdamW step). See docs/ENGINES.md."""
+        cuda = self.device.type == "cuda"
+        t_start = time.perf_counter()
+        q0 = self.qstate.quantize_s
+        batch = self._batch(batch)
+        b = batch["input_ids"].shape[0]
+        n_tokens = int(batch["loss_mask"][:, 1:].sum())
+        self.model.train()
+        for m in self.master:
+            m.grad = torch.zeros_like(m) if m.grad is None else m.grad.zero_()
+        total = 0.0
+        for sl in self._chunks(b):
+            sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v)
+                   for k, v in batch.items()}
+            sub["_n_tokens"] = max(n_tokens, 1)
+            lp = self._token_logprobs(sub["input_ids"], sub["attention_mask"])
+            if loss_fn is None:
+                loss = default_loss(lp, sub)
+            else:  # a per-slice mean: weight by the slice's share of the batch
+                loss = loss_fn(lp, sub) * ((sl.stop - sl.start) / b)
+            loss.backward()
+            total += float(loss.detach())
+            for p, m in zip(self.params, self.master):
+                if p.grad is not None:
+                    m.grad.add_(p.grad.float())
+                    p.grad = None
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+        t_opt = time.perf_counter()
+        clip = self.grad_clip if self.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip, foreach=True))
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            raise FloatingPointError(f"update {self.update_count}: gradient norm is {grad_norm} "
+                                     "(NaN/Inf); the optimizer step was not taken")
+        self.optimizer.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+        self.qstate.bump()
+        self.update_count += 1
+        if cuda:
+            ev[1].record()
+            torch.cuda.synchronize()
+            opt_s = ev[0].elapsed_time(ev[1]) / 1e3
+        else:
+            opt_s = time.perf_counter() - t_opt
+        total_s = time.perf_counter() - t_start
+        quant_s = None if cuda else self.qstate.quantize_s - q0  # host time: exact only without async GPU
+        return {"loss": total, "grad_norm": grad_norm, "tokens": int(batch["attention_mask"].sum()),
+                "time_s": total_s,
+                "times": {"quantize": quant_s, "gemm": None,
+                          "other": total_s - opt_s - (quant_s or 0.0), "optimizer": opt_s},
+                "weight_quantizations": self.qstate.weight_quantizations,
+                "act_quantizations": self.qstate.act_quantizations}
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced log-probs [B, T-1] fp32 of tokens 1..T-1 (eval mode, no grad, micro-batched)."""
+        batch = self._batch({"input_ids": input_ids} if attention_mask is None
+                            else {"input_ids": input_ids, "attention_mask": attention_mask})
+        was = self.model.training
+        self.model.eval()
+        try:
+            ids, am = batch["input_ids"], batch["attention_mask"]
+            return torch.cat([self._token_logprobs(ids[sl], am[sl]) for sl in self._chunks(ids.shape[0])])
+        finally:
+            self.model.train(was)
+
+    # -------------------------------------------------------------------------------------------- sync
+    def export_weights(self) -> dict:
+        """{"form": "bf16"|"nvfp4_codes", "tensors": {hf_param_name: ...}} (docs/ENGINES.md, Sync).
+        bf16: a BF16 copy of every parameter. nvfp4_codes: NVFP4Tensor per quantized linear (the cached
+        codes this update's forward used), a list of E NVFP4Tensors per quantized expert parameter, BF16
+        copies of everything kept in high precision."""
+        tensors = {n: p.detach().to(torch.bfloat16).clone() for n, p in self.model.named_parameters()}
+        if self.arm.sync == "bf16":
+            return {"form": "bf16", "tensors": tensors}
+        for mname, mod in self.model.named_modules():
+            prefix = f"{mname}." if mname else ""
+            if isinstance(mod, Q.NVFP4Linear) or hasattr(mod, "quantized") and hasattr(mod, "cache"):
+                tensors[prefix + "weight"] = mod.quantized().tensor()
+            q = getattr(mod, "minite_quant", None)
+            if q is not None:
+                tensors[prefix + "gate_up_proj"] = q.gate_up.get(mod.gate_up_proj).tensors()
+                tensors[prefix + "down_proj"] = q.down.get(mod.down_proj).tensors()
+        return {"form": "nvfp4_codes", "tensors": tensors}
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def save(self, path: str | Path) -> None:
+        """Atomic checkpoint: fp32 masters, optimizer state, update count and every RNG stream."""
+        state = {
+            "arm": self.arm.name, "model": self.model_cfg["name"], "layers": self.model_cfg["num_hidden_layers"],
+            "update_count": self.update_count, "quant_version": self.qstate.version,
+            "master": {n: m for n, m in zip(self.names, self.master)},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "sr": self.qstate.generator.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+        with atomic_path(path, "wb") as f:
+            torch.save(state, f)
+
+    def load(self, path: str | Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        mine = (self.arm.name, self.model_cfg["name"], self.model_cfg["num_hidden_layers"])
+        theirs = (state["arm"], state["model"], state["layers"])
+        if mine != theirs:
+            raise ValueError(f"checkpoint {path} is for (arm, model, layers) = {theirs}, this trainer is {mine}")
+        with torch.no_grad():
+            for n, m, p in zip(self.names, self.master, self.params):
+                m.copy_(state["master"][n])
+                p.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.update_count = state["update_count"]
+        torch.set_rng_state(state["rng"]["torch"])
+        self.qstate.generator.set_state(state["rng"]["sr"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.qstate.bump()
