@@ -44,7 +44,7 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
                     w_estride_c, w_estride_s, gw_estride,
                     GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                     GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    GROUP_M: tl.constexpr, A_F16: tl.constexpr = False, W_F16: tl.constexpr = False):
     kh = K // 2
     ks = K // 16
     if GROUPED:
@@ -76,24 +76,32 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
     cols64 = cols.to(tl.int64)
     j = tl.arange(0, BK // 16)
     t = tl.arange(0, 8)
+    h = tl.arange(0, BK // 2)
+    kp = tl.cdiv(K, BK) * BK  # row stride of the pre-decoded fp16 form (``decode_f16_kernel``)
     jt = j[:, None] * 8 + t[None, :]  # byte offset inside the step, [BK/16, 8]
     a_c = a_codes + rows64[:, None, None] * kh + jt[None, :, :]
     w_c = w_codes + cols64[:, None, None] * kh + jt[None, :, :]
     a_s = a_scales + rows64[:, None] * ks + j[None, :]
     w_s = w_scales + cols64[:, None] * ks + j[None, :]
+    a_h = a_codes + rows64[:, None] * kp + h[None, :]
+    w_h = w_codes + cols64[:, None] * kp + h[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kmask = (k0 // 16 + j) < ks
-        a_lo, a_hi = _decode(a_c, a_s, rmask[:, None, None] & kmask[None, :, None],
-                             rmask[:, None] & kmask[None, :])
-        w_lo, w_hi = _decode(w_c, w_s, nmask[:, None, None] & kmask[None, :, None],
-                             nmask[:, None] & kmask[None, :])
+        if A_F16:
+            a_lo = tl.load(a_h + k0, mask=rmask[:, None], other=0.0)
+            a_hi = tl.load(a_h + (k0 + BK // 2), mask=rmask[:, None], other=0.0)
+        else:
+            a_lo, a_hi = _decode(a_c + k0 // 2, a_s + k0 // 16, rmask[:, None, None] & kmask[None, :, None],
+                                 rmask[:, None] & kmask[None, :])
+        if W_F16:
+            w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
+            w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
+        else:
+            w_lo, w_hi = _decode(w_c + k0 // 2, w_s + k0 // 16, nmask[:, None, None] & kmask[None, :, None],
+                                 nmask[:, None] & kmask[None, :])
         acc = tl.dot(a_lo, tl.trans(w_lo), acc)
         acc = tl.dot(a_hi, tl.trans(w_hi), acc)
-        a_c += BK // 2
-        w_c += BK // 2
-        a_s += BK // 16
-        w_s += BK // 16
     out = acc * 268435456.0  # 2**28: the two 2**-14 decode factors
     if GA_ROW:
         out = out * tl.load(ga_ptr + rows, mask=rmask, other=0.0)[:, None]
@@ -107,3 +115,23 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
         out = out + tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rows64[:, None] * N + cols64[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def decode_f16_kernel(codes, scales, out, R, K, BR: tl.constexpr, BK: tl.constexpr):
+    """[R, K] NVFP4 -> fp16 [R, cdiv(K, BK) * BK] in the GEMM's K order: each BK step stores its even-K
+    values, then its odd-K values (zero padded), each value e2m1 * scale * 2**-14 exactly."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    k0 = tl.program_id(1) * BK
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    j = tl.arange(0, BK // 16)
+    t = tl.arange(0, 8)
+    h = tl.arange(0, BK // 2)
+    kmask = (k0 // 16 + j) < K // 16
+    c_ptrs = codes + rows64[:, None, None] * (K // 2) + k0 // 2 + (j[:, None] * 8 + t[None, :])[None, :, :]
+    s_ptrs = scales + rows64[:, None] * (K // 16) + k0 // 16 + j[None, :]
+    lo, hi = _decode(c_ptrs, s_ptrs, rmask[:, None, None] & kmask[None, :, None], rmask[:, None] & kmask[None, :])
+    o = out + rows64[:, None] * (tl.cdiv(K, BK) * BK) + k0 + h[None, :]
+    tl.store(o, lo, mask=rmask[:, None])
+    tl.store(o + BK // 2, hi, mask=rmask[:, None])

@@ -22,7 +22,7 @@ from minite import nvfp4 as ref
 from minite.provenance import provenance, write_csv, write_text
 
 from . import checks
-from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
+from .gemm import PreparedWeight, grouped_nvfp4_gemm, nvfp4_gemm, prepare_weight, stack_experts
 from .quantize import quantize
 
 L2_BYTES = 60 * 2 ** 20
@@ -82,6 +82,8 @@ def _copies(obj, n):
     def clone(o):
         if isinstance(o, torch.Tensor):
             return o.clone()
+        if isinstance(o, PreparedWeight):
+            return PreparedWeight(clone(o.w), o.f16.clone())
         return type(o)(o.codes.clone(), o.scales.clone(), o.global_scale.clone())
     return [obj] + [clone(obj) for _ in range(n - 1)]
 
@@ -91,6 +93,8 @@ def _nbytes(*ts):
     for t in ts:
         if isinstance(t, torch.Tensor):
             tot += t.numel() * t.element_size()
+        elif isinstance(t, PreparedWeight):
+            tot += _nbytes(t.f16)
         else:
             tot += _nbytes(t.codes, t.scales, t.global_scale)
     return tot
@@ -100,6 +104,7 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
     x = torch.randn(m, k, device=dev)
     w32 = torch.randn(n, k, device=dev)
     a, w = quantize(x, scaling="row"), quantize(w32)
+    pw = prepare_weight(w)
     a16, w16 = ref.dequantize(a).bfloat16(), ref.dequantize(w).bfloat16()
     table = torch.tensor(ref.E2M1_VALUES, device=dev)
     flops = 2.0 * m * n * k
@@ -114,6 +119,7 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
         "fp8_scaled_mm": _nbytes(a8, w8) + mp * n * 2,
         "naive_emulation": _nbytes(a, w) + out_b,
         "ours": _nbytes(a, w) + out_b,
+        "ours_prepared": _nbytes(a, w, pw) + out_b,
     }
 
     def mk(provider, cfg=None):
@@ -125,19 +131,24 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
             sets = list(zip(_copies(a8, n_rot), _copies(w8, n_rot)))
             return lambda i: (lambda s=sets[i]: torch._scaled_mm(s[0], s[1].t(), scale_a=one, scale_b=one,
                                                                  out_dtype=torch.bfloat16))
+        if provider == "ours_prepared" or (cfg and cfg.get("variant") != "decode"):
+            n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set["ours_prepared"])))
+            sets = list(zip(_copies(a, n_rot), _copies(pw, n_rot)))
+            return lambda i: (lambda s=sets[i]: nvfp4_gemm(s[0], s[1], config=cfg))
         sets = list(zip(_copies(a, n_rot), _copies(w, n_rot)))
         if provider == "naive_emulation":
             return lambda i: (lambda s=sets[i]: _naive_deq(s[0], table) @ _naive_deq(s[1], table).T)
         return lambda i: (lambda s=sets[i]: nvfp4_gemm(s[0], s[1], config=cfg))
 
-    providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours"]
+    providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"]
     cfgs = [(p, None) for p in providers]
     if sweep:
-        cfgs += [("ours", c) for c in SWEEP_CONFIGS]
+        cfgs += [("ours", c) for c in (SWEEP_SMALL if m <= 64 else SWEEP_LARGE)]
     for provider, cfg in cfgs:
         label = provider if cfg is None else "ours:" + _cfg_name(cfg)
         try:
-            ms = timer(mk(provider, cfg), per_set[provider])
+            ms = timer(mk(provider, cfg), per_set[provider if cfg is None or cfg["variant"] == "decode"
+                                                   else "ours_prepared"])
         except Exception as exc:  # record, keep going: one provider's failure must not lose the run
             print(f"  {label} {name} M={m}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
@@ -147,18 +158,20 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
 
 
 def _cfg_name(c):
-    return f"{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
+    return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
 
 
-SWEEP_CONFIGS = [
-    dict(BM=64, BN=32, GROUP_M=1, num_warps=4, num_stages=4),
-    dict(BM=64, BN=128, GROUP_M=1, num_warps=4, num_stages=4),
-    dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=6),
-    dict(BM=128, BN=128, GROUP_M=8, num_warps=4, num_stages=3),
-    dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=2),
-    dict(BM=256, BN=128, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=3),
-]
+def _c(variant, bm, bn, warps, stages, group_m=8):
+    return dict(BM=bm, BN=bn, GROUP_M=group_m, num_warps=warps, num_stages=stages, variant=variant)
+
+
+# --sweep (square shapes only): w16/f16 rows use the prepared weight (its one-time decode is not timed)
+SWEEP_SMALL = [_c("decode", 64, 32, 4, 4, 1), _c("decode", 64, 64, 4, 6, 1), _c("decode", 64, 128, 4, 4, 1),
+               _c("decode", 64, 64, 4, 3, 1)]
+SWEEP_LARGE = [_c("decode", 128, 128, 8, 3), _c("decode", 128, 256, 8, 3),
+               _c("w16", 128, 128, 8, 3), _c("w16", 128, 256, 8, 3), _c("w16", 64, 256, 4, 4),
+               _c("f16", 128, 256, 8, 3), _c("f16", 128, 256, 8, 4), _c("f16", 256, 128, 8, 3),
+               _c("f16", 128, 128, 4, 4), _c("f16", 128, 128, 8, 4)]
 
 
 def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> torch.Tensor:
@@ -218,7 +231,7 @@ def run(args) -> int:
     for name, n, k in shapes:
         for m in ms_list:
             bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"],
-                        args.sweep and name == "square8192")
+                        args.sweep and name in ("square8192", "q_proj"))
     for tokens in ([16384] if args.quick else [4096, 16384]):
         for name, n, k in GROUPED:
             bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"])

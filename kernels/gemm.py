@@ -84,22 +84,64 @@ def _check_common(a, k_w: int, device, out_dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------- Triton launch
+@dataclass
+class PreparedWeight:
+    """A weight kept twice: packed NVFP4 (read by the small-M, memory-bound kernel) and pre-decoded fp16 in
+    the GEMM's K order (``decode_f16``: exact values * 2**-14, 4x the packed bytes) for large M, where
+    decoding inside the main loop would cost more ALU time than the tensor cores take. Same bits either way."""
+
+    w: NVFP4Tensor
+    f16: torch.Tensor  # [N, cdiv(K, 128) * 128]
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    @property
+    def device(self):
+        return self.w.device
+
+
+def decode_f16(t) -> torch.Tensor:
+    """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter)."""
+    from . import _triton_gemm as tg
+    r, k = t.shape
+    kp = (k + tg.BK - 1) // tg.BK * tg.BK
+    out = torch.empty(r, kp, dtype=torch.float16, device=t.codes.device)
+    if r:
+        br = 16 if t.codes.device.type == "cpu" else 64
+        tg.decode_f16_kernel[((r + br - 1) // br, kp // tg.BK)](t.codes.contiguous(), _u8(t.scales), out, r, k,
+                                                                BR=br, BK=tg.BK, num_warps=4)
+    return out
+
+
+def prepare_weight(w: NVFP4Tensor, backend: str | None = None):
+    """One-time re-layout of a weight for ``nvfp4_gemm`` (keep the result, pass it as ``w``). On the Triton
+    path it adds the pre-decoded fp16 copy; elsewhere it returns ``w`` unchanged."""
+    _check_tensor(w, "w")
+    if gemm_path(w.device, backend) != "triton":
+        return w
+    return PreparedWeight(w, decode_f16(w))
+
+
 def _configs(m_hint: int, interpret: bool) -> dict:
-    """Tile config by M. BK is fixed (``_triton_gemm.BK``), so the K order is the same for every choice."""
+    """Tile config and operand form by M. BK is fixed (``_triton_gemm.BK``), every variant feeds the same
+    fp16 values to the same fp16 -> fp32 wgmma in the same K order: row bits do not depend on the choice
+    (checked on the GPU: kernels/checks.py)."""
     if interpret:
-        return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1)
-    table = _CONFIGS
-    for bound, cfg in table:
+        return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
+    for bound, cfg in _CONFIGS:
         if m_hint <= bound:
             return dict(cfg)
-    return dict(table[-1][1])
+    return dict(_CONFIGS[-1][1])
 
 
-# (max M, config). Hopper wgmma needs BM >= 64 with 4 warps; every config uses wgmma fp16 -> fp32.
+# (max M, config). variant: "decode" (both operands decoded in the main loop: reads 4.5 bits/weight),
+# "w16" (weight pre-decoded fp16, A decoded in the loop), "f16" (both pre-decoded: a plain fp16 GEMM).
 _CONFIGS = [
-    (64, dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4)),
-    (1024, dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3)),
-    (1 << 62, dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=3)),
+    (64, dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="decode")),
+    (1024, dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3, variant="w16")),
+    (1 << 62, dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=3, variant="f16")),
 ]
 
 
@@ -109,25 +151,45 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     from . import _triton_gemm as tg
+    prepared = w if isinstance(w, PreparedWeight) else None
+    wq = prepared.w if prepared is not None else w
     m, k = a.shape
-    n = w.shape[0]
+    n = wq.shape[0]
     dev = a.device
     cfg = dict(config) if config else _configs(m, dev.type == "cpu")
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
-    ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
+    variant = cfg.pop("variant", "decode")
+    if variant not in ("decode", "w16", "f16"):
+        raise ValueError(f"unknown GEMM variant {variant!r}")
+    a_arg, w_arg = a.codes.contiguous(), wq.codes.contiguous()
+    if variant in ("w16", "f16"):
+        w_arg = prepared.f16 if prepared is not None else decode_f16(wq)
+    if variant == "f16":
+        a_arg = decode_f16(a)
+    ga, gw = a.global_scale.contiguous(), wq.global_scale.contiguous()
     bm, bn, gm = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
     tiles_m = (m + bm - 1) // bm
     grid = (tiles_m * ((n + bn - 1) // bn),)
     dummy = ga
     tg.nvfp4_mm_kernel[grid](
-        a.codes.contiguous(), _u8(a.scales), w.codes.contiguous(), _u8(w.scales), ga, gw,
+        a_arg, _u8(a.scales), w_arg, _u8(wq.scales), ga, gw,
         bias.contiguous() if bias is not None else dummy, out, dummy, dummy, dummy,
         m, n, k, tiles_m, 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
-        BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, **cfg)
+        BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, A_F16=variant == "f16", W_F16=variant != "decode", **cfg)
     return out
+
+
+def _grouped_config(interpret: bool) -> dict:
+    """One config for every M (batch invariance needs no proof then); weights decoded in the loop."""
+    if interpret:
+        return dict(BM=32, BN=32, num_warps=4, num_stages=1)
+    return dict(GROUPED_CONFIG)
+
+
+GROUPED_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=3)
 
 
 def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
@@ -152,12 +214,13 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
-    cfg = dict(config) if config else _configs(max(1, m // max(1, e)), dev.type == "cpu")
+    cfg = dict(config) if config else _grouped_config(dev.type == "cpu")
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    cfg.pop("GROUP_M")
+    cfg.pop("GROUP_M", None)
+    cfg.pop("variant", None)
     tile_e, tile_r, bound = _tile_schedule(offsets.to(torch.int64), m, bm)
     offs32 = offsets.to(torch.int32).contiguous()
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
@@ -183,14 +246,17 @@ def gemm_path(device: torch.device, backend: str | None = None) -> str:
     return "triton"
 
 
-def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def nvfp4_gemm(a: NVFP4Tensor, w, out_dtype: torch.dtype = torch.bfloat16,
                bias: torch.Tensor | None = None, backend: str | None = None, config: dict | None = None):
     """a @ w.T for NVFP4 a [M, K], w [N, K] -> [M, N] in out_dtype (bf16, fp16 or fp32).
 
     Block scales are applied exactly, products accumulate in fp32 (exactly in float64 on the torch path),
     both global scales (scalar, or per row: [M] for a, [N] for w) and then ``bias`` [N] in the epilogue.
     Batch invariant and deterministic: row i does not depend on M or on the run. ``config`` (tile sizes)
-    is for benchmarking only."""
+    is for benchmarking only. ``w`` may be a ``prepare_weight`` result (large-M speed, same bits)."""
+    prepared = w if isinstance(w, PreparedWeight) else None
+    if prepared is not None:
+        w = prepared.w
     _check_tensor(w, "w")
     _check_common(a, w.shape[1], w.device, out_dtype)
     n = w.shape[0]
@@ -201,7 +267,7 @@ def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, out_dtype: torch.dtype = torch.bf
         return _torch_gemm.gemm(a, w, out_dtype, bias)
     if path == "blackwell":
         return blackwell.gemm(a, w, out_dtype, bias)
-    return _triton_dense(a, w, out_dtype, bias, config)
+    return _triton_dense(a, prepared if prepared is not None else w, out_dtype, bias, config)
 
 
 def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,

@@ -11,24 +11,24 @@ def _geo(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def ratios(df: pd.DataFrame) -> list[tuple[str, float, float, float, str]]:
+def ratios(df: pd.DataFrame, ours: str = "ours") -> list[tuple[str, float, float, float, str]]:
     """(what, geomean, min, max, target) of per-shape speed ratios ours / baseline (same shape, same M)."""
     dense = df[df.kernel == "gemm"].pivot_table(index=["shape", "M"], columns="provider", values="median_ms")
     out = []
 
     def add(what, sel, base, target):
-        if base not in dense or "ours" not in dense:
+        if base not in dense or ours not in dense:
             return
-        r = (dense.loc[sel, base] / dense.loc[sel, "ours"]).dropna()
+        r = (dense.loc[sel, base] / dense.loc[sel, ours]).dropna()
         if len(r):
             out.append((what, _geo(r), r.min(), r.max(), target, len(r)))
     ms = dense.index.get_level_values("M")
-    add("ours vs cuBLAS bf16, M >= 4096", ms >= 4096, "cublas_bf16", ">= 0.90")
-    add("ours vs cuBLAS bf16, M <= 16 (decode)", ms <= 16, "cublas_bf16", ">= 3.0")
-    add("ours vs naive emulation, M <= 1024", ms <= 1024, "naive_emulation", ">= 2.0")
-    add("ours vs naive emulation, M >= 4096", ms >= 4096, "naive_emulation", ">= 1.1")
+    add(f"{ours} vs cuBLAS bf16, M >= 4096", ms >= 4096, "cublas_bf16", ">= 0.90")
+    add(f"{ours} vs cuBLAS bf16, M <= 16 (decode)", ms <= 16, "cublas_bf16", ">= 3.0")
+    add(f"{ours} vs naive emulation, M <= 1024", ms <= 1024, "naive_emulation", ">= 2.0")
+    add(f"{ours} vs naive emulation, M >= 4096", ms >= 4096, "naive_emulation", ">= 1.1")
     g = df[df.kernel == "grouped_gemm"].pivot_table(index=["shape"], columns="provider", values="median_ms")
-    if "grouped_mm_bf16" in g and "ours" in g:
+    if "grouped_mm_bf16" in g and ours in g:
         sel = [s for s in g.index if s.endswith("_T16384")]
         r = (g.loc[sel, "grouped_mm_bf16"] / g.loc[sel, "ours"]).dropna()
         if len(r):
@@ -44,12 +44,17 @@ def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: st
              "inputs rotated over copies > 2x L2 (60 MB)", "",
              "## Target ratios (speed = baseline time / our time; geomean over the shapes, min..max)", "",
              "| ratio | geomean | min | max | target | points |", "|---|---|---|---|---|---|"]
-    for what, gm, lo, hi, tgt, npts in ratios(df):
+    for what, gm, lo, hi, tgt, npts in ratios(df) + ratios(df, "ours_prepared"):
         lines.append(f"| {what} | {gm:.2f} | {lo:.2f} | {hi:.2f} | {tgt} | {npts} |")
     lines += ["", "## Checks (this run, before timing)", ""] + (check_lines or ["- skipped"])
-    dense = df[df.kernel == "gemm"].pivot_table(index=["shape", "N", "K", "M"], columns="provider",
-                                                 values="tflops")
+    main = df[(df.kernel == "gemm") & ~df.provider.str.contains(":")]
+    dense = main.pivot_table(index=["shape", "N", "K", "M"], columns="provider", values="tflops")
     lines += ["", "## Dense GEMM, TFLOP/s", "", dense.round(1).to_markdown()]
+    sweep = df[(df.kernel == "gemm") & df.provider.str.contains(":")]
+    if len(sweep):
+        t = sweep.pivot_table(index="provider", columns=["shape", "M"], values="tflops")
+        lines += ["", "## Tile-config sweep of ours (variant:BMxBN w=warps s=stages), TFLOP/s", "",
+                  t.round(1).to_markdown()]
     grp = df[df.kernel == "grouped_gemm"].pivot_table(index=["shape", "M", "N", "K"], columns="provider",
                                                        values="tflops")
     if len(grp):

@@ -175,3 +175,17 @@ def test_gpu_batch_invariance():
 def test_gpu_grouped():
     res = checks.check_grouped(torch.device("cuda"))
     assert res[0][1], res
+
+
+@pytest.mark.parametrize("variant", ("decode", "w16", "f16"))
+def test_variants_bitwise_equal_interpreter(variant):
+    """The three operand forms (decode in the loop / fp16 weight / both fp16) give the same bits."""
+    from minite.kernels.gemm import prepare_weight
+    a, w = _q(37, 400, seed=3), _q(40, 400, "tensor", seed=4)
+    base = nvfp4_gemm(a, w, out_dtype=torch.float32, backend="triton")
+    cfg = dict(BM=32, BN=32, GROUP_M=2, num_warps=4, num_stages=1, variant=variant)
+    assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32, backend="triton", config=cfg), base)
+    pw = prepare_weight(w, backend="triton")
+    assert pw.f16.shape == (40, 512)
+    assert torch.equal(nvfp4_gemm(a, pw, out_dtype=torch.float32, backend="triton", config=cfg), base)
+    assert torch.equal(nvfp4_gemm(a, prepare_weight(w), out_dtype=torch.float32), nvfp4_gemm(a, w, out_dtype=torch.float32))
