@@ -47,14 +47,15 @@ if triton is not None:
         mask = rmask[:, None] & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        if not AMAX_ONLY:  # NaN/Inf flag per program (the caller raises), instead of a second pass
-            badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
-            tl.store(bad_ptr + pid, tl.sum(tl.sum(badv, axis=1), axis=0))
         if RHT:
             r = tl.arange(0, 16)
             h = tl.load(rht_ptr + r[:, None] * 16 + r[None, :])  # float64 diag(sign) @ H16 / 4
             x64 = tl.reshape(x.to(tl.float64), (ROWS * KP // 16, 16))
             x = tl.reshape(tl.dot(x64, h).to(tl.float32), (ROWS, KP))
+        if not AMAX_ONLY:  # NaN/Inf flag per program (the caller raises), instead of a second pass; after
+            # the RHT, which propagates a bad input and can itself overflow fp32 (the reference checks both)
+            badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+            tl.store(bad_ptr + pid, tl.sum(tl.sum(badv, axis=1), axis=0))
         ax = tl.abs(x)
         if AMAX_ONLY:
             tl.store(rowamax_ptr + rows, tl.max(ax, axis=1), mask=rmask)
@@ -164,7 +165,7 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
         amax_t = x.abs().amax().to(torch.float32).reshape(1)
     if rounding == "stochastic":  # the reference's one draw, from the same generator
         g = generator if generator is not None else torch.default_generator
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g).item())
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=g.device).item())
     else:
         seed = 0
     _launch(x, codes, scales.view(torch.uint8), sdec_row, amax_t, sdec_row, bad, seed, scaling == "row",
