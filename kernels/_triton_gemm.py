@@ -32,9 +32,8 @@ def _decode(c_ptrs, s_ptrs, cmask, smask):
     hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
     lo = (lo * sf).to(tl.float16)
     hi = (hi * sf).to(tl.float16)
-    r: tl.constexpr = lo.shape[0]
-    kh: tl.constexpr = lo.shape[1] * lo.shape[2]
-    return tl.reshape(lo, (r, kh)), tl.reshape(hi, (r, kh))
+    return (tl.reshape(lo, (lo.shape[0], lo.shape[1] * lo.shape[2])),
+            tl.reshape(hi, (hi.shape[0], hi.shape[1] * hi.shape[2])))
 
 
 @triton.jit

@@ -21,11 +21,13 @@ try:
 except Exception:  # pragma: no cover - exercised only without triton
     triton = None
 
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX_PY = 3.4028234663852886e38
 MAX_KP = 32768  # widest row held in registers; wider rows use the reference
 
 
 if triton is not None:
+    _FLT_MAX = tl.constexpr(_FLT_MAX_PY)  # jit code reads globals only as constexpr
+
     @triton.jit
     def _hash32(x):
         # minite.nvfp4._hash32 on uint32 (the multiplies wrap mod 2**32 exactly like the int64 & mask form)
@@ -35,7 +37,7 @@ if triton is not None:
         x = x * 0x297A2D39
         return x ^ (x >> 16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed"])
     def _te_quant_kernel(x_ptr, codes_ptr, scales_ptr, sdec_ptr, amax_ptr, rowamax_ptr, bad_ptr, rht_ptr,
                          M, K, stride_x, seed,
                          ROWS: tl.constexpr, KP: tl.constexpr, ROW_SCALING: tl.constexpr,
