@@ -2,7 +2,7 @@
 
     python -m minite.report table  --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4
     python -m minite.report figure throughput --results results/cpu --arms ... --out results/cpu/figures/throughput
-    python -m minite.report figure {drift,reward,kernels,diagnostics} ...
+    python -m minite.report figure {drift,reward,kernels,layers,attribution} ...
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 from minite.report import figures, load, tables
 
-FIGURES = ("throughput", "drift", "reward", "kernels", "diagnostics")
+FIGURES = ("throughput", "drift", "reward", "kernels", "layers", "attribution")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (t, f):
         q.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
         q.add_argument("--arms", nargs="+", default=[], help="arms, in display order")
-        q.add_argument("--out", help="output prefix (table) / stem (figure) / directory (diagnostics)")
+        q.add_argument("--out", help="output prefix (table) / stem (figure: writes <out>.png and <out>.pdf)")
     t.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
     f.add_argument("--smooth", type=int, default=5, help="rolling-mean window over RL steps")
     f.add_argument("--no-evals", action="store_true", help="reward figure without the eval panel")
@@ -52,7 +52,13 @@ def main(argv=None) -> int:
         figures.kernel_throughput(load.load_kernels(a.results), a.out)
     else:
         from minite.report import diagnostics
-        diagnostics.render(load.load_diagnostics(a.results, a.arms), a.out)
+        diag = load.load_diagnostics(a.results, a.arms)
+        if a.name == "attribution":
+            diagnostics.attribution(diag, a.out)
+        elif len(a.arms) != 1:
+            raise SystemExit("figure layers draws one arm: give exactly one --arms")
+        else:
+            diagnostics.layers(diag, a.arms[0], a.out)
     return 0
 
 

@@ -1,16 +1,19 @@
 """Seaborn figures of the results (each written as ``<stem>.png`` and ``<stem>.pdf``).
 
 They plot what the loaders (minite.report.load) return and compute nothing but rolling means for display.
-Each arm keeps one colour across all figures.
+Each arm keeps one colour across all figures. With ``out_stem=None`` a function returns the open figure
+instead of writing files (what the notebooks display inline).
 """
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import matplotlib
 
-matplotlib.use("Agg")                       # files only: never needs a display
+if "ipykernel" not in sys.modules:          # files only, never a display (a notebook keeps its inline backend)
+    matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
@@ -27,11 +30,14 @@ def palette(arms) -> dict:
     return {a: ARM_COLORS.get(a) or next(extra) for a in arms}
 
 
-def save(fig, out_stem, footer: str | None = None) -> list[Path]:
-    """Write ``out_stem``.png and .pdf atomically, with an optional provenance footer; close the figure."""
-    out_stem = Path(out_stem)
+def save(fig, out_stem, footer: str | None = None):
+    """Write ``out_stem``.png and .pdf atomically, with an optional provenance footer, and close the figure;
+    with ``out_stem=None`` return the figure instead."""
     if footer:
         fig.text(0.995, 0.005, footer, ha="right", va="bottom", fontsize=6, color="0.45")
+    if out_stem is None:
+        return fig
+    out_stem = Path(out_stem)
     paths = []
     for ext in ("png", "pdf"):
         path = out_stem.with_name(out_stem.name + "." + ext)
@@ -49,7 +55,7 @@ def footer_from(records) -> str | None:
     return "; ".join(f"minite {s} · {d}" for s, d in pairs) or None
 
 
-def throughput_bars(table: pd.DataFrame, out_stem, footer: str | None = None) -> list[Path]:
+def throughput_bars(table: pd.DataFrame, out_stem=None, footer: str | None = None):
     """Learner tokens/s per arm (the throughput table), each bar labelled with its ratio to BF16."""
     sns.set_theme(style="whitegrid", context="paper")
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -91,8 +97,8 @@ def _log_positive(ax, df: pd.DataFrame, y: str, hue_colors: dict, ylabel: str, s
     ax.set(xlabel="RL step", ylabel=ylabel)
 
 
-def drift(stability: pd.DataFrame, out_stem, summaries: dict | None = None, smooth: int = 5,
-          footer: str | None = None) -> list[Path]:
+def drift(stability: pd.DataFrame, out_stem=None, summaries: dict | None = None, smooth: int = 5,
+          footer: str | None = None):
     """Trainer/sampler drift per RL step: k3 (KL estimate) and max |p_train - p_sample|, log scale. A
     vertical dotted line marks each arm's drift alarm step when its stability summary records one."""
     if stability.empty:
@@ -102,7 +108,8 @@ def drift(stability: pd.DataFrame, out_stem, summaries: dict | None = None, smoo
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
     for ax, (name, ylabel) in zip(axes, [("k3", "k3 KL(sampler || trainer)"),
                                          ("max_abs_dp", "max |p_train - p_sample|")]):
-        df = stability[["arm", "step", column(stability, name)]].rename(columns=lambda c: c.split("/")[-1])
+        df = stability[["arm", "step", column(stability, name)]]
+        df.columns = ["arm", "step", name]
         _log_positive(ax, df, name, colors, ylabel, smooth)
         for arm, s in (summaries or {}).items():
             step = _alarm_step(s)
@@ -123,8 +130,8 @@ def _alarm_step(summary: dict):
     return None
 
 
-def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None, out_stem, smooth: int = 5,
-                eval_metric: str | None = None, footer: str | None = None) -> list[Path]:
+def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None = None, out_stem=None, smooth: int = 5,
+                eval_metric: str | None = None, footer: str | None = None):
     """Training reward per RL step (rolling mean) and held-out eval accuracy per checkpoint, per arm."""
     if stability.empty:
         raise ResultError("no stability records to plot")
@@ -133,7 +140,7 @@ def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None, out_stem, s
     have_evals = evals is not None and not evals.empty
     fig, axes = plt.subplots(1, 2 if have_evals else 1, figsize=(9 if have_evals else 4.8, 3.4), squeeze=False)
     ax = axes[0, 0]
-    rcol = column(stability, "reward")
+    rcol = column(stability, ("reward_mean", "reward"))
     for arm, g in stability.groupby("arm", sort=False):
         g = g.sort_values("step")
         ax.plot(g["step"], g[rcol], color=colors[arm], alpha=0.25, lw=0.8)
@@ -159,20 +166,27 @@ def _eval_metric(evals: pd.DataFrame) -> str:
     return column(evals, "accuracy")
 
 
-def kernel_throughput(kernels: pd.DataFrame, out_stem, x: str = "M", y: str | None = None,
-                      hue: str | None = None, footer: str | None = None) -> list[Path]:
-    """Kernel throughput vs M (tokens), one line per kernel / shape, log-x."""
-    if kernels.empty:
-        raise ResultError("kernels.csv has no rows")
-    y = y or next((c for c in ("tflops", "TFLOPS", "tflop_s", "tokens_per_s") if c in kernels), None)
-    if y is None or x not in kernels:
-        raise ResultError(f"kernels.csv needs columns {x!r} and a throughput column; has {list(kernels)}")
-    hue = hue or next((c for c in ("kernel", "impl", "name") if c in kernels), None)
-    style = next((c for c in ("shape", "NK", "op") if c in kernels and c != hue), None)
+def kernel_throughput(kernels: pd.DataFrame, out_stem=None, y: str = "tflops", footer: str | None = None):
+    """Dense-GEMM kernel throughput vs M (tokens), one panel per weight shape, one line per provider
+    (kernels.csv of kernel-bench: kernel, provider, shape, M, N, K, median_ms, tflops, ...), log2 x."""
+    need = {"M", y, "provider", "shape"}
+    if not need <= set(kernels.columns):
+        raise ResultError(f"kernels.csv needs columns {sorted(need)}; has {list(kernels.columns)}")
+    d = kernels[kernels["kernel"] == "gemm"] if "kernel" in kernels else kernels
+    d = d[d[y].notna()]
+    if d.empty:
+        raise ResultError("kernels.csv has no finite dense-GEMM timings")
     sns.set_theme(style="whitegrid", context="paper")
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
-    sns.lineplot(data=kernels, x=x, y=y, hue=hue, style=style, marker="o", ax=ax)
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel=f"{x} (tokens)", ylabel=y, title="NVFP4 kernel throughput")
-    ax.legend(fontsize=6)
-    return save(fig, out_stem, footer or footer_from(kernels.to_dict("records")[:1]))
+    shapes = list(dict.fromkeys(d["shape"]))
+    labels = {s: (f"{s} (N={int(g.N.iloc[0])}, K={int(g.K.iloc[0])})" if {"N", "K"} <= set(g) else s)
+              for s, g in d.groupby("shape", sort=False)}
+    g = sns.relplot(data=d.assign(shape=d["shape"].map(labels)), x="M", y=y, hue="provider", col="shape",
+                    col_order=[labels[s] for s in shapes], col_wrap=min(4, len(shapes)), kind="line",
+                    marker="o", height=2.6, aspect=1.1, facet_kws={"sharey": False})
+    g.set(xscale="log")
+    for ax in g.axes.flat:
+        ax.set_xscale("log", base=2)
+    g.set_titles("{col_name}", size=8)
+    g.set_axis_labels("M (tokens)", "TFLOP/s" if y == "tflops" else y)
+    g.figure.suptitle("NVFP4 GEMM throughput vs M", y=1.02)
+    return save(g.figure, out_stem, footer or footer_from(d.to_dict("records")[:1]))

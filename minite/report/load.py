@@ -74,6 +74,9 @@ def load_stability(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
         df = pd.json_normalize(records, sep="/")
         if len(df) and "step" not in df:
             raise ResultError(f"{path}: records have no 'step' field")
+        if "arm" in df and len(df) and set(df["arm"].astype(str)) != {arm}:
+            raise ResultError(f"{path}: holds records of arms {sorted(set(df['arm']))}, expected only {arm!r}")
+        df = df.drop(columns="arm", errors="ignore")
         df.insert(0, "arm", arm)
         frames.append(df)
     if not frames:
@@ -118,15 +121,18 @@ def load_diagnostics(results_dir, arms, missing: str = "raise") -> dict[str, dic
     return out
 
 
-def column(df: pd.DataFrame, name: str, required: bool = True) -> str | None:
-    """The column holding metric ``name``: ``name`` itself, else the one column ending in '/name' or
-    '.name' (a metric logged inside a group, e.g. ``mismatch/k3``)."""
-    if name in df.columns:
-        return name
-    hits = [c for c in df.columns if str(c).endswith(("/" + name, "." + name))]
-    if len(hits) == 1:
-        return hits[0]
+def column(df: pd.DataFrame, names: str | tuple[str, ...], required: bool = True) -> str | None:
+    """The column holding a metric, trying each of ``names`` in turn: the name itself, else the one column
+    ending in '/name' or '.name' (a metric logged inside a group, e.g. ``mismatch/k3``)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    for name in names:
+        if name in df.columns:
+            return name
+        hits = [c for c in df.columns if str(c).endswith(("/" + name, "." + name))]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise ResultError(f"several columns match {name!r}: {hits}")
     if not required:
         return None
-    what = f"several columns match: {hits}" if hits else f"columns are {list(df.columns)}"
-    raise ResultError(f"no unique column for {name!r}: {what}")
+    raise ResultError(f"no column for {' / '.join(names)}: columns are {list(df.columns)}")

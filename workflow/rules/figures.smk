@@ -45,21 +45,32 @@ rule figure_kernels:
         "{PY} -m minite.report figure kernels --results {RESULTS} --out {FIGS}/kernels > {log} 2>&1"
 
 
-rule figure_diagnostics:
+rule figure_layers:
+    input:
+        f"{RESULTS}/{{arm}}/diagnostics/mismatch.json",
+        f"{RESULTS}/{{arm}}/diagnostics/layers.csv",
+    output:
+        png=report(f"{FIGS}/layers_{{arm}}.png", caption="../report/layers.rst", category="Diagnostics",
+                   subcategory="{arm}"),
+        pdf=f"{FIGS}/layers_{{arm}}.pdf",
+    log:
+        f"{LOGS}/figures/layers_{{arm}}.log",
+    shell:
+        "{PY} -m minite.report figure layers --results {RESULTS} --arms {wildcards.arm}"
+        " --out {FIGS}/layers_{wildcards.arm} > {log} 2>&1"
+
+
+rule figure_attribution:
     input:
         per_arm(f"{RESULTS}/{{arm}}/diagnostics/mismatch.json"),
-        per_arm(f"{RESULTS}/{{arm}}/diagnostics/layers.csv"),
         per_arm(f"{RESULTS}/{{arm}}/diagnostics/attribution.csv"),
     output:
-        attribution=report(f"{FIGS}/attribution.png", caption="../report/attribution.rst",
-                           category="Diagnostics"),
-        attribution_pdf=f"{FIGS}/attribution.pdf",
-        layers=report(f"{FIGS}/layers.png", caption="../report/layers.rst", category="Diagnostics"),
-        layers_pdf=f"{FIGS}/layers.pdf",
+        png=report(f"{FIGS}/attribution.png", caption="../report/attribution.rst", category="Diagnostics"),
+        pdf=f"{FIGS}/attribution.pdf",
     params:
         arms=" ".join(ARMS),
     log:
-        f"{LOGS}/figures/diagnostics.log",
+        f"{LOGS}/figures/attribution.log",
     shell:
-        "{PY} -m minite.report figure diagnostics --results {RESULTS} --arms {params.arms}"
-        " --out {FIGS} > {log} 2>&1"
+        "{PY} -m minite.report figure attribution --results {RESULTS} --arms {params.arms}"
+        " --out {FIGS}/attribution > {log} 2>&1"

@@ -5,7 +5,8 @@ rule kernel_bench_csv:
     input:
         [str(REPO / f) for f in job("kernel_bench").get("inputs", [])],
     output:
-        f"{RESULTS}/kernels.csv",
+        csv=report(f"{RESULTS}/kernels.csv", caption="../report/kernels_table.rst", category="Kernels"),
+        md=f"{RESULTS}/kernels.md",  # kernel-bench's summary (checks + timings), written beside the csv
     params:
         args=job_args("kernel_bench"),
     log:
@@ -14,4 +15,4 @@ rule kernel_bench_csv:
     resources:
         gpu=job_gpus("kernel_bench"),
     shell:
-        "{PY} -m minite kernel-bench {params.args} --out {output} > {log} 2>&1"
+        "{PY} -m minite kernel-bench {params.args} --out {output.csv} > {log} 2>&1"

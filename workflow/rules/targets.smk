@@ -6,7 +6,8 @@ FIG_THROUGHPUT = multiext(f"{FIGS}/throughput", ".png", ".pdf")
 FIG_DRIFT = multiext(f"{FIGS}/drift", ".png", ".pdf")
 FIG_REWARD = multiext(f"{FIGS}/reward_eval", ".png", ".pdf")
 FIG_KERNELS = multiext(f"{FIGS}/kernels", ".png", ".pdf")
-FIG_DIAG = multiext(f"{FIGS}/attribution", ".png", ".pdf") + multiext(f"{FIGS}/layers", ".png", ".pdf")
+FIG_DIAG = [*multiext(f"{FIGS}/attribution", ".png", ".pdf"), *per_arm(f"{FIGS}/layers_{{arm}}.png"),
+            *per_arm(f"{FIGS}/layers_{{arm}}.pdf")]
 NOTEBOOKS = ["drift", "throughput", "diagnostics"]
 GPU_ONLY = [f"{RESULTS}/kernels.csv", *FIG_KERNELS] if config["gpu"] else []
 
