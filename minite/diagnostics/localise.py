@@ -102,42 +102,54 @@ def capture_trainer(trainer, tokens: torch.Tensor, attention_mask: torch.Tensor)
 
 
 class SamplerCapture:
-    """Collects ``capture(layer, op, position, tensor)`` calls into [B, T, ...] tensors (NaN where absent).
+    """Collects ``capture(layer, op, positions, tensor)`` calls into [B, T, ...] tensors (NaN / -1 where the
+    sampler reported nothing). A later call for the same position overwrites an earlier one, so a decode
+    step's value replaces the prefill's padding garbage at that position.
 
-    ``position`` may be an int (every row at that position), a [B] tensor of per-row positions, or a
-    sequence/range of positions with ``tensor`` [B, len, ...] (a prefill chunk)."""
+    ``positions``: [B, T] per-row positions with ``tensor`` [B, T, ...] (the sampler's form), or an int /
+    a [B] tensor (one position per row, ``tensor`` [B, ...] or [B, 1, ...]), or a range of positions shared
+    by all rows with ``tensor`` [B, len, ...]. ``layer`` -1 / None for op "logits" (after the last layer)."""
 
     def __init__(self, batch: int, seq_len: int, num_layers: int):
         self.B, self.T, self.L = batch, seq_len, num_layers
         self.data: dict[tuple[int, str], torch.Tensor] = {}
         self.calls = defaultdict(int)
 
+    def _positions(self, position) -> torch.Tensor:
+        B = self.B
+        if isinstance(position, int):
+            return torch.full((B, 1), position, dtype=torch.long)
+        if isinstance(position, torch.Tensor):
+            p = position.detach().cpu().long()
+            if p.dim() == 0:
+                return p.expand(B, 1).clone()
+            if p.dim() == 1 and p.numel() == B:
+                return p[:, None]
+            if p.dim() == 2 and p.shape[0] == B:
+                return p
+            return p.reshape(1, -1).expand(B, -1)
+        return torch.as_tensor(list(position), dtype=torch.long).reshape(1, -1).expand(B, -1)
+
     def __call__(self, layer, op, position, tensor):
         layer = self.L if op == "logits" else int(layer)
         t = tensor.detach().cpu()
-        t = t.float() if op != "topk" else t.long()
-        B = self.B
-        if t.shape[0] != B:
-            raise ValueError(f"sampler capture {op} layer {layer}: leading dim {t.shape[0]} != batch {B}")
-        if isinstance(position, torch.Tensor) and position.numel() == B and position.dim() == 1:
-            rows, cols = torch.arange(B), position.long().cpu()
-            vals = t.reshape(B, -1) if t.dim() > 1 and t.shape[1] == 1 else t
-            vals = vals.reshape(B, *t.shape[2:]) if t.dim() > 2 and t.shape[1] == 1 else vals
-        elif isinstance(position, (int,)) or (isinstance(position, torch.Tensor) and position.numel() == 1):
-            p = int(position)
-            rows, cols = torch.arange(B), torch.full((B,), p)
-            vals = t[:, 0] if t.dim() >= 3 and t.shape[1] == 1 else t
-        else:  # a chunk of positions
-            pos = torch.as_tensor(list(position) if not isinstance(position, torch.Tensor) else position).long()
-            n = pos.numel()
-            rows = torch.arange(B).repeat_interleave(n)
-            cols = pos.repeat(B)
-            vals = t.reshape(B * n, *t.shape[2:])
+        t = t.long() if op == "topk" else t.float()
+        if t.shape[0] != self.B:
+            raise ValueError(f"sampler capture {op} layer {layer}: leading dim {t.shape[0]} != batch {self.B}")
+        pos = self._positions(position)
+        if t.dim() < 2 or t.shape[1] != pos.shape[1]:
+            t = t.unsqueeze(1)                      # one position per row given without a T dim
+        if t.shape[1] != pos.shape[1]:
+            raise ValueError(f"sampler capture {op} layer {layer}: {pos.shape[1]} positions for a tensor "
+                             f"{tuple(tensor.shape)}")
+        rows = torch.arange(self.B)[:, None].expand_as(pos).reshape(-1)
+        cols = pos.reshape(-1)
+        vals = t.reshape(rows.numel(), *t.shape[2:])
         key = (layer, op)
         if key not in self.data:
             fill = -1 if op == "topk" else float("nan")
-            self.data[key] = torch.full((B, self.T, *vals.shape[1:]), fill, dtype=vals.dtype)
-        ok = cols < self.T
+            self.data[key] = torch.full((self.B, self.T, *vals.shape[1:]), fill, dtype=vals.dtype)
+        ok = (cols >= 0) & (cols < self.T)
         self.data[key][rows[ok], cols[ok]] = vals[ok]
         self.calls[key] += 1
 
