@@ -90,9 +90,9 @@ def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
     r = state.recipe
     state.act_quantizations += 1
     a = G.quantize_activation(x, r.activations)
-    if r.gemm == "emulated":
+    if state.gemm == "emulated":
         return bf16_grouped_mm(Q._dq(a), qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
-    return grouped_nvfp4(a, qw, offsets, out_dtype=x.dtype)
+    return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
 
 
 def _padded_layout(offsets: torch.Tensor):

@@ -44,6 +44,8 @@ class QuantState:
 
     def __init__(self, recipe: EngineRecipe, cache_per_update: bool, seed: int = 0):
         self.recipe = recipe
+        # gemm "te": TE runs the dense linears; minite's own modules (experts) emulate TE's structure
+        self.gemm = "emulated" if recipe.gemm == "te" else recipe.gemm
         self.cache_per_update = cache_per_update
         self.version = 0
         self.generator = torch.Generator().manual_seed(int(seed) + 7919)  # CPU: only draws SR seeds
@@ -197,9 +199,11 @@ def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -
     r = state.recipe
     state.act_quantizations += 1
     a = G.quantize_activation(x2d, r.activations)
-    if r.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
+    if state.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
         return torch.matmul(_dq(a), qw.dq.T).to(out_dtype)
-    return G.nvfp4_gemm(a, qw.tensor(), r.gemm, out_dtype=out_dtype)
+    # fp32 out, then one cast: exactly gemm.nvfp4_linear, the op the sampler runs (one rounding step less
+    # would change ties: float64 -> bf16 directly is not float64 -> fp32 -> bf16)
+    return G.nvfp4_gemm(a, qw.tensor(), state.gemm, out_dtype=torch.float32).to(out_dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):

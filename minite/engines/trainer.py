@@ -14,6 +14,7 @@ masters are copied (rounded) into the BF16 model and the NVFP4 weight cache is i
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -81,7 +82,7 @@ class Trainer:
                 return r.keeps_high_precision(kind, i, len(layers))
             for name in _LINEARS:
                 if not hp(name):
-                    setattr(layer.self_attn, name, Q.NVFP4Linear.from_linear(getattr(layer.self_attn, name), st))
+                    setattr(layer.self_attn, name, self._linear(getattr(layer.self_attn, name)))
             mlp = layer.mlp
             if not hasattr(mlp, "experts"):
                 raise RuntimeError(f"layer {i}: expected a Qwen3MoeSparseMoeBlock (dense MLP layers unsupported)")
@@ -95,11 +96,22 @@ class Trainer:
         if not r.keeps_high_precision("lm_head"):
             if self.model_cfg.get("tie_word_embeddings"):
                 raise ValueError("an NVFP4 lm_head with tied embeddings is not supported; keep lm_head BF16")
-            self.model.lm_head = Q.NVFP4Linear.from_linear(self.model.lm_head, st)
+            self.model.lm_head = self._linear(self.model.lm_head)
+
+    def _linear(self, lin):
+        if self.arm.trainer.gemm == "te":
+            from minite.engines.te_backend import te_linear
+            return te_linear(lin)
+        return Q.NVFP4Linear.from_linear(lin, self.qstate)
 
     # ------------------------------------------------------------------------------------------ compute
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        ctx = contextlib.nullcontext()
+        if self.arm.trainer.gemm == "te":
+            from minite.engines import te_backend
+            ctx = te_backend.autocast()
+        with ctx:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         logits = logits[:, :-1].float()
         targets = input_ids[:, 1:]
         lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
