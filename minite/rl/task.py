@@ -1,0 +1,166 @@
+"""A verifiable synthetic task: multi-digit arithmetic with exact answer checking (char tokenizer).
+
+A problem is ``Problem(prompt="12+34=", answer="46")``; the model sees ``<bos>12+34=`` and must produce
+``46<eos>``. The reward is exact: 1.0 iff the response tokens up to and including the first EOS are exactly
+``encode("46") + [EOS]`` (no skipped pad/bos tricks, no truncated answer), else 0.0.
+
+Difficulty: ``digits`` (operands have 1..digits digits, uniformly over the numbers 0..10**digits-1) and
+``ops`` (any of ``+ - *`` and ``/``; division problems are built as (b*q)/b so the answer is an exact
+integer; subtraction may give a negative answer "-12", '-' is in the vocabulary).
+
+Train / held-out split: deterministic by ``seed``. A problem is held out iff a keyed hash of its prompt falls
+under ``heldout_frac`` (blake2b keyed by the seed: same split on every machine and Python, independent of
+the order problems are drawn). Training batches never contain a held-out problem; the held-out set is a
+fixed list drawn by rejection from the held-out side of the split. The training data order is a pure
+function of (seed, step): ``train_batch(step, n)`` needs no state, so a resumed run sees the same prompts.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import torch
+
+from minite.tokenizer import BOS, EOS, PAD, CharTokenizer
+
+OPS = ("+", "-", "*", "/")
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class TaskError(ValueError):
+    """A malformed task configuration or data source."""
+
+
+class ArithmeticTask:
+    """Multi-digit arithmetic ("12+34=" -> "46") with a deterministic held-out split."""
+
+    kind = "arithmetic"
+
+    def __init__(self, digits: int = 2, ops=("+",), seed: int = 0, heldout_frac: float = 0.1,
+                 n_heldout: int = 128):
+        ops = tuple(ops)
+        if not isinstance(digits, int) or not 1 <= digits <= 6:
+            raise TaskError(f"digits must be an int in 1..6, got {digits!r}")
+        if not ops or any(o not in OPS for o in ops):
+            raise TaskError(f"ops must be a non-empty subset of {OPS}, got {ops!r}")
+        if not 0.0 < heldout_frac < 1.0:
+            raise TaskError(f"heldout_frac must be in (0, 1), got {heldout_frac!r}")
+        self.digits, self.ops, self.seed = digits, ops, int(seed)
+        self.heldout_frac, self.n_heldout = float(heldout_frac), int(n_heldout)
+        self.tokenizer = CharTokenizer()
+        self._key = f"minite-arith-{self.seed}".encode()
+        self._heldout: list[Problem] | None = None
+
+    def config(self) -> dict:
+        return {"kind": self.kind, "digits": self.digits, "ops": list(self.ops), "seed": self.seed,
+                "heldout_frac": self.heldout_frac, "n_heldout": self.n_heldout}
+
+    # --- problems -------------------------------------------------------------------------------
+    def _draw(self, rng: random.Random) -> Problem:
+        hi = 10 ** self.digits - 1
+        op = rng.choice(self.ops)
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        if op == "+":
+            ans = a + b
+        elif op == "-":
+            ans = a - b
+        elif op == "*":
+            ans = a * b
+        else:  # exact integer division: dividend = divisor * quotient
+            b = max(b, 1)
+            ans, a = a, a * b
+        return Problem(f"{a}{op}{b}=", str(ans))
+
+    def is_heldout(self, p: Problem) -> bool:
+        h = hashlib.blake2b(p.prompt.encode(), key=self._key, digest_size=8).digest()
+        return int.from_bytes(h, "big") / 2 ** 64 < self.heldout_frac
+
+    def _draw_side(self, rng: random.Random, heldout: bool) -> Problem:
+        for _ in range(100_000):
+            p = self._draw(rng)
+            if self.is_heldout(p) == heldout:
+                return p
+        raise TaskError("could not draw a problem on this side of the split (problem space too small?)")
+
+    @property
+    def max_prompt_len(self) -> int:
+        """Longest prompt in tokens: bos + a + op + b + '=' (a dividend has up to 2 x digits digits)."""
+        return 1 + (2 if "/" in self.ops else 1) * self.digits + 1 + self.digits + 1
+
+    def train_batch(self, step: int, n: int, stream: str = "rl") -> list[Problem]:
+        """The ``n`` training problems of step ``step`` of a data stream ("rl", "sft", "calib"): a pure
+        function of (seed, stream, step), so a resumed run draws the same problems."""
+        rng = random.Random(f"train-{stream}-{self.seed}-{step}")
+        return [self._draw_side(rng, heldout=False) for _ in range(n)]
+
+    def heldout(self, n: int | None = None) -> list[Problem]:
+        """The fixed held-out evaluation set (first ``n`` of ``n_heldout`` problems; distinct prompts)."""
+        if self._heldout is None:
+            rng, seen, out = random.Random(f"heldout-{self.seed}"), set(), []
+            for _ in range(200 * self.n_heldout):
+                p = self._draw_side(rng, heldout=True)
+                if p.prompt not in seen:
+                    seen.add(p.prompt)
+                    out.append(p)
+                if len(out) == self.n_heldout:
+                    break
+            self._heldout = out
+        return self._heldout[: n or self.n_heldout]
+
+    # --- tokens and rewards ---------------------------------------------------------------------
+    def encode_prompt(self, p: Problem) -> list[int]:
+        return self.tokenizer.encode(p.prompt, bos=True)
+
+    def encode_answer(self, p: Problem) -> list[int]:
+        """The SFT target: answer tokens + EOS."""
+        return self.tokenizer.encode(p.answer, bos=False, eos=True)
+
+    def reward(self, p: Problem, response_ids) -> float:
+        """1.0 iff the response up to and including its first EOS is exactly answer + EOS."""
+        ids = response_ids.tolist() if isinstance(response_ids, torch.Tensor) else list(response_ids)
+        if EOS not in ids:
+            return 0.0
+        return float(ids[: ids.index(EOS) + 1] == self.encode_answer(p))
+
+    def decode(self, response_ids) -> str:
+        return self.tokenizer.decode(response_ids)
+
+
+def sft_batch(task, problems: list[Problem]) -> dict:
+    """Teacher-forcing batch for the trainer: prompt + answer + EOS, right-padded with PAD; loss on the
+    answer tokens and EOS (``loss_mask[b, t] = 1`` means token t is trained, predicted from tokens < t)."""
+    seqs, masks = [], []
+    for p in problems:
+        pr, an = task.encode_prompt(p), task.encode_answer(p)
+        seqs.append(pr + an)
+        masks.append([0] * len(pr) + [1] * len(an))
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), PAD, dtype=torch.long)
+    att = torch.zeros((len(seqs), T), dtype=torch.long)
+    lm = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        att[i, : len(s)] = 1
+        lm[i, : len(m)] = torch.tensor(m)
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": lm}
+
+
+def build_task(cfg: dict, seed: int = 0, tokenizer=None):
+    """A task from the ``task:`` block of an RL config (``kind: arithmetic`` or ``kind: math``)."""
+    cfg = dict(cfg or {})
+    kind = cfg.pop("kind", "arithmetic")
+    if kind == "arithmetic":
+        return ArithmeticTask(seed=seed, **cfg)
+    if kind == "math":
+        from minite.rl.math_task import MathTask
+        return MathTask(seed=seed, tokenizer=tokenizer, **cfg)
+    raise TaskError(f"unknown task kind {kind!r} (arithmetic | math)")
+
+
+__all__ = ["ArithmeticTask", "Problem", "TaskError", "build_task", "sft_batch", "BOS", "EOS", "PAD"]
