@@ -14,15 +14,20 @@ Formulas — which real engine each one reproduces, bit for bit (all arithmetic 
                 S_dec = 1/S_enc; s = e4m3(clamp(block_amax * (S_enc * (1/6)), +-448)) [the product
                 S_enc*(1/6) formed first]; enc = min(1/(float(s) * S_dec), FLT_MAX);
                 code = RNE_e2m1(clamp(x * enc, +-6)). 16x16 tiles take block_amax over the tile.
+                (amax == 0 -> S_enc = 1 is the CUDA kernel's rule, ``compute_global_encode_scaling_factor_FP4``;
+                the Python reference would give FLT_MAX there. Codes and block scales are the same either way.)
     "vllm"      vLLM 0.33's runtime activation quantizer (``nvfp4_emulation_utils.ref_nvfp4_quant``).
                 The engine stores the *encode* global scale G (static activations: G = 1/input_scale,
                 input_scale = amax_calib/2688): s = e4m3(clamp(G * (block_amax * (1/6)), +-448));
                 enc = recip(float(s) * recip(G)) with vLLM's zero guard recip(0) = 1/1e8;
-                code = RNE_e2m1(clamp(x * enc, +-6)). S_dec = recip(G).
+                code = RNE_e2m1(clamp(x * enc, +-6)). S_dec = recip(G). (vLLM's fused Triton quant-dequant
+                kernel, used instead on CUDA, forms enc = G / s; this module follows ``ref_nvfp4_quant``.)
     "modelopt"  NVIDIA ModelOpt 0.47's NVFP4 weight export (the checkpoint vLLM loads):
                 weight_scale_2 = amax/2688 (= S_dec); b = block_amax / (6 * weight_scale_2), b = 1 where
                 b == 0; s = e4m3(clamp(b, 2**-9, 448)); code = RNE_e2m1(x / (float(s) * weight_scale_2))
-                (a true division, not a reciprocal multiply).
+                (a true division, not a reciprocal multiply). ModelOpt itself has no 448 clamp on this path
+                (b <= ~448 when amax is the tensor's own) and gives NaN scales for an all-zero tensor
+                (0/0); here the clamp always applies and an all-zero tensor gets scale 1, codes 0.
 
 RNE_e2m1 ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
 A negative value that rounds to zero gets code 8, as TE's cast does (``-0.0`` itself gets code 0).
@@ -39,9 +44,13 @@ Options
                 bits from Philox: the distribution matches TE, the stream does not.)
     rht         16-point random Hadamard transform along K before quantizing, TE's fixed sign vector:
                 x.view(-1, 16) @ (diag(sign) @ H16) / 4, accumulated in float64 and rounded once to fp32
-                (order-independent, so every implementation that accumulates exactly agrees).
+                (order-independent whenever the 16 inputs span < 29 binades, as real data does). TE applies
+                it to the wgrad (columnwise) operands only; its Python reference multiplies in the input dtype
+                (bf16 in, bf16 out), its CUDA kernel accumulates in fp32 — this one-rounding fp32 form is ours.
 
-Constraints: x is 2D [M, K] with K % 16 == 0; NaN/Inf input raises (``check_finite=True``).
+Constraints: x is 2D [M, K] with K % 16 == 0, any float dtype (converted to fp32 first); NaN/Inf input
+raises (``check=True``), as do a negative/non-finite static ``amax`` and a non-positive ``global_encode_scale``.
+torch's own fp32 -> float8_e4m3fn cast is not saturating on every build/device (470 -> NaN), hence the clamps.
 Everything here is pure PyTorch and runs on CPU and GPU; ``minite.kernels`` holds the fast versions, which
 are tested for bit equality against this module.
 """
@@ -190,7 +199,11 @@ def _validate(x, formula, tile, scaling, amax, global_encode_scale, rounding, rh
         raise ValueError(f"NVFP4 needs K % 16 == 0 (one E4M3 scale per 16 elements); got K = {k}")
     if formula not in FORMULAS:
         raise ValueError(f"unknown formula {formula!r}; expected one of {FORMULAS}")
-    if tuple(tile) not in ((1, 16), (16, 16)):
+    try:
+        tile = tuple(int(t) for t in tile)
+    except TypeError:
+        raise ValueError(f"tile must be (1, 16) or (16, 16), got {tile!r}") from None
+    if tile not in ((1, 16), (16, 16)):
         raise ValueError(f"tile must be (1, 16) or (16, 16), got {tile}")
     if tuple(tile) == (16, 16) and m % 16:
         raise ValueError(f"16x16 tiles need M % 16 == 0; got M = {m}")
@@ -209,6 +222,13 @@ def _validate(x, formula, tile, scaling, amax, global_encode_scale, rounding, rh
         raise ValueError(f'amax= / global_encode_scale= are for scaling="static", not "{scaling}"')
     if global_encode_scale is not None and formula != "vllm":
         raise ValueError('global_encode_scale= is vLLM\'s stored form; use amax= with this formula')
+    for name, v, ok in (("amax", amax, lambda t: t >= 0), ("global_encode_scale", global_encode_scale,
+                                                           lambda t: t > 0)):
+        if v is not None:
+            t = torch.as_tensor(v, dtype=torch.float64)
+            if t.numel() != 1 or not bool(torch.isfinite(t).all()) or not bool(ok(t).all()):
+                raise ValueError(f"static {name} must be one finite number {'>= 0' if name == 'amax' else '> 0'}"
+                                 f", got {v!r}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of {ROUNDINGS}")
     if rht and tuple(tile) != (1, 16):
@@ -260,6 +280,8 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
         check_finite(x32)
     if rht:
         x32 = rht16(x32)
+        if check:  # 16 inputs near FLT_MAX can sum past it
+            check_finite(x32, "RHT(input)")
     dev = x32.device
 
     # --- global scale and block scales, per formula
@@ -295,7 +317,9 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
             b = torch.where((b == 0) | (_col(s_dec) == 0), torch.ones_like(b), b)
             s = torch.clamp(b, 2.0 ** -9, E4M3_MAX).to(torch.float8_e4m3fn)
             denom = s.to(torch.float32) * _col(s_dec)
-            v = torch.clamp(x32.view(m, k // BLOCK, BLOCK) / denom[..., None], -FP4_MAX, FP4_MAX)
+            v = x32.view(m, k // BLOCK, BLOCK) / denom[..., None]
+            # all-zero tensor/row: S_dec = 0 and x = 0, so 0/0; those elements are code 0
+            v = torch.clamp(torch.nan_to_num(v, nan=0.0, posinf=FP4_MAX, neginf=-FP4_MAX), -FP4_MAX, FP4_MAX)
 
     v = v.reshape(m, k)
     a = v.abs()
@@ -303,7 +327,7 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
         mag = _rne_e2m1_magnitude(a)
     else:
         g = generator if generator is not None else torch.default_generator
-        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g).item())
+        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=g.device).item())
         mag = _sr_e2m1_magnitude(a, stochastic_uniform(seed, m, k, dev))
     codes4 = mag | ((v < 0).to(torch.uint8) << 3)
     return NVFP4Tensor(pack_codes(codes4), s.contiguous(), s_dec.to(torch.float32).contiguous())
