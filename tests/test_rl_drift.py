@@ -30,10 +30,16 @@ def test_no_alarm_on_stationary_noise(seed):
     assert _run(_series(500, seed=seed), warmup=30).alarm_step is None
 
 
-def test_no_alarm_on_a_single_spike():
+def test_single_spike_does_not_fire_but_a_sustained_shift_does():
     s = _series(200, seed=1)
-    s[100] *= math.exp(1.5)              # one bad batch, ~5 sigma in log space
-    assert _run(s, warmup=30).alarm_step is None
+    a = _run(s[:100], warmup=30)
+    assert a.alarm_step is None and a.S < 1.0
+    height = 0.8 * a.h * a.sigma0               # one bad batch, 6.4 baseline sigmas
+    spiked = list(s)
+    spiked[100] *= math.exp(height)
+    assert _run(spiked, warmup=30).alarm_step is None
+    shifted = s[:100] + [v * math.exp(height) for v in s[100:]]
+    assert _run(shifted, warmup=30).alarm_step in (101, 102, 103)
 
 
 @pytest.mark.parametrize("seed", range(5))

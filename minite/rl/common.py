@@ -72,7 +72,7 @@ def rollout(task, sampler, problems, group_size: int, *, max_new_tokens: int, te
     """Each problem's prompt ``group_size`` times (groups contiguous) -> sampled responses and rewards."""
     prompts = [task.encode_prompt(p) for p in problems for _ in range(group_size)]
     out = sampler.generate(prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                           generator=generator, stop_token=EOS)
+                           generator=generator, stop_token=getattr(task, "eos_id", EOS))
     tokens = out.tokens.cpu()
     resp = out.response_mask.cpu().long()
     plens = torch.as_tensor(out.prompt_lens).cpu().long()

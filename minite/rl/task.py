@@ -41,6 +41,7 @@ class ArithmeticTask:
     """Multi-digit arithmetic ("12+34=" -> "46") with a deterministic held-out split."""
 
     kind = "arithmetic"
+    eos_id = EOS
 
     def __init__(self, digits: int = 2, ops=("+",), seed: int = 0, heldout_frac: float = 0.1,
                  n_heldout: int = 128):

@@ -1,0 +1,67 @@
+"""Held-out evaluation: mean@k accuracy of an arm's SAMPLER at each checkpoint of a stability run.
+
+For every checkpoint (step 0 = the warm start the run began from, then ``ckpt/step_XXXXXX``) the trainer
+state is loaded and synced to the sampler exactly as during RL, then the sampler draws k samples per
+held-out prompt at the configured temperature / top-p. mean@k = mean over prompts of the fraction of a
+prompt's k samples that are exactly right (an unbiased estimate of the expected single-sample accuracy).
+Sampling uses its own generator seeded by (seed, step), so an evaluation is reproducible and independent of
+the RL run's random state. Rows: arm, step, k, mean_at_k, pass_at_k, n_prompts, temperature, sha, device, date.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from minite.provenance import provenance, write_csv
+from minite.rl.common import build_rl_engines, rollout
+from minite.rl.stability import checkpoints
+
+COLUMNS = ["arm", "step", "k", "mean_at_k", "pass_at_k", "n_prompts", "temperature", "sha", "device", "date"]
+
+
+def evaluate_run(arm, model_cfg: dict, cfg: dict, task, run_dir, out_csv, *, init=None, seed: int = 0,
+                 device: str = "cpu", steps: list[int] | None = None, progress: bool = True) -> pd.DataFrame:
+    """Evaluate the checkpoints of ``run_dir`` (and step 0 = ``init``) and write ``out_csv`` atomically."""
+    run_dir = Path(run_dir)
+    meta = run_dir / "run.json"
+    if init is None and meta.is_file():
+        init = json.loads(meta.read_text()).get("init")
+    ev, rl = cfg["eval"], cfg["rl"]
+    problems = task.heldout(ev["n_prompts"])
+    k = int(ev["k"])
+    cks = checkpoints(run_dir)
+    todo = ([(0, None)] if init is not None or model_cfg.get("checkpoint") or not cks else []) + cks
+    if steps is not None:
+        todo = [(s, p) for s, p in todo if s in set(steps)]
+    if not todo:
+        raise FileNotFoundError(f"{run_dir}: no checkpoints to evaluate (run `python -m minite rl` first)")
+    calib = [task.encode_prompt(p) for p in task.train_batch(0, rl["prompts_per_step"] * rl["group_size"],
+                                                              stream="calib")]
+    chunk = max(1, min(len(problems), 256 // k))          # prompts per generate call (x k samples)
+    trainer, sampler, sync = build_rl_engines(
+        arm, model_cfg, device=device, seed=seed, lr=rl["lr"], init=init, max_batch=chunk * k,
+        max_seq_len=task.max_prompt_len + ev["max_new_tokens"], calib_prompts=calib)
+    prov = provenance(device)
+    rows = []
+    for step, path in tqdm(todo, desc=f"eval {arm.name}", disable=not progress, unit="ckpt"):
+        if path is not None:
+            trainer.load(str(path / "trainer"))
+            sync(trainer, sampler)
+        gen = torch.Generator(device=device).manual_seed(10_007 * seed + step)
+        correct = []
+        for i in range(0, len(problems), chunk):
+            ro = rollout(task, sampler, problems[i:i + chunk], k, max_new_tokens=ev["max_new_tokens"],
+                         temperature=ev["temperature"], top_p=ev["top_p"], generator=gen)
+            correct.append(ro.rewards.view(-1, k))
+        c = torch.cat(correct)
+        rows.append({"arm": arm.name, "step": step, "k": k, "mean_at_k": float(c.mean(1).mean()),
+                     "pass_at_k": float((c.max(1).values > 0).float().mean()), "n_prompts": len(problems),
+                     "temperature": ev["temperature"], "sha": prov["sha"], "device": prov["device"],
+                     "date": prov["date"]})
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    write_csv(out_csv, df)
+    return df

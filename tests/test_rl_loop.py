@@ -1,0 +1,122 @@
+"""End to end on `tiny` with the real engines: SFT cache, the GRPO loop, kill + resume == uninterrupted,
+evals CSV, and the CLI jobs."""
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from minite.engines.arms import load_arm
+from minite.engines.models import load_model_config
+from minite.rl.config import load_rl_config
+from minite.rl.stability import SimulatedKill, checkpoints, is_timing_key, run_stability
+from minite.rl.task import build_task
+
+# small enough for seconds per step on 2 CPU cores
+SMALL = {"sft.steps": 3, "sft.batch_size": 8, "sft.eval_prompts": 8, "rl.prompts_per_step": 2,
+         "rl.group_size": 2, "rl.max_new_tokens": 4, "eval.k": 2, "eval.n_prompts": 3, "eval.max_new_tokens": 4,
+         "drift.warmup": 3, "collapse.warmup": 3}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.set_num_threads(2)
+    cfg = load_rl_config("cpu", SMALL)
+    task = build_task(cfg["task"], seed=0)
+    model = load_model_config("tiny")
+    from minite.rl.sft import run_sft
+    sft_dir = tmp_path_factory.mktemp("sft")
+    info = run_sft(model, cfg, task, sft_dir, progress=False)
+    return cfg, task, model, sft_dir, info
+
+
+def _strip(line: dict) -> dict:
+    return {k: v for k, v in line.items() if not is_timing_key(k)}
+
+
+def _lines(path):
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def test_sft_cache_hit(setup, tmp_path):
+    cfg, task, model, sft_dir, info = setup
+    from minite.rl.sft import run_sft
+    assert not info["cache_hit"] and (sft_dir / "weights" / "config.json").is_file()
+    assert info["heldout_after"]["nll_per_token"] < info["heldout_before"]["nll_per_token"]
+    mtime = (sft_dir / "sft.json").stat().st_mtime_ns
+    again = run_sft(model, cfg, task, sft_dir, progress=False)
+    assert again["cache_hit"] and again["config_hash"] == info["config_hash"]
+    assert (sft_dir / "sft.json").stat().st_mtime_ns == mtime          # a no-op: nothing rewritten
+    other = load_rl_config("cpu", {**SMALL, "sft.lr": 1e-3})
+    from minite.rl.sft import cached_sft, sft_key
+    from minite.rl.config import config_hash
+    assert cached_sft(sft_dir, config_hash(sft_key(model, other, task, 0))) is None
+
+
+@pytest.mark.parametrize("arm_name", ["naive_te_nvfp4"])
+def test_kill_and_resume_gives_the_same_curve(setup, tmp_path, arm_name):
+    cfg, task, model, sft_dir, _ = setup
+    arm = load_arm(arm_name)
+    full = tmp_path / "full"
+    s_full = run_stability(arm, model, cfg, task, full, steps=3, init=sft_dir, ckpt_every=2, progress=False)
+    assert [s for s, _ in checkpoints(full)] == [2, 3]
+    killed = tmp_path / "killed"
+    with pytest.raises(SimulatedKill):
+        run_stability(arm, model, cfg, task, killed, steps=3, init=sft_dir, ckpt_every=2, crash_after_step=3,
+                      progress=False)
+    assert len(_lines(killed / "stability.jsonl")) == 3 and [s for s, _ in checkpoints(killed)] == [2]
+    s_res = run_stability(arm, model, cfg, task, killed, steps=3, init=sft_dir, ckpt_every=2, progress=False)
+    a, b = _lines(full / "stability.jsonl"), _lines(killed / "stability.jsonl")
+    assert [l["step"] for l in b] == [1, 2, 3]
+    assert [_strip(l) for l in a] == [_strip(l) for l in b]           # the same curve, bit for bit
+    assert s_res["final_reward"] == s_full["final_reward"] and s_res["drift"] == s_full["drift"]
+    line = a[-1]
+    for key in ("reward_mean", "accuracy", "response_len_mean", "entropy_sampler_mc", "grad_norm", "k1", "k3",
+                "chi2", "token_mult_prob_error", "max_abs_dp", "mean_abs_dp", "pearson_p", "frac_dlogp_gt_0.1",
+                "generate_s", "score_s", "update_s", "sync_s", "generate_tokens_per_s", "wall_s", "cusum"):
+        assert key in line, key
+    assert line["k3"] > 0                                              # the naive arm's engines differ
+    summ = json.loads((killed / "stability_summary.json").read_text())
+    for key in ("alarm_step", "collapse_step", "lead_steps", "final_reward", "provenance"):
+        assert key in summ
+    # extending a finished run continues from its last checkpoint
+    run_stability(arm, model, cfg, task, killed, steps=4, init=sft_dir, ckpt_every=2, progress=False)
+    assert [l["step"] for l in _lines(killed / "stability.jsonl")] == [1, 2, 3, 4]
+    # a different config in the same directory is refused instead of mixed into the curve
+    with pytest.raises(RuntimeError, match="different run"):
+        run_stability(arm, model, load_rl_config("cpu", {**SMALL, "rl.lr": 1e-3}), task, killed, steps=5,
+                      init=sft_dir, progress=False)
+    # evals from the same run: step 0 (warm start) and every checkpoint
+    from minite.rl.evaluate import evaluate_run
+    csv = tmp_path / "evals.csv"
+    df = evaluate_run(arm, model, cfg, task, killed, csv, progress=False)
+    assert list(df.columns) == ["arm", "step", "k", "mean_at_k", "pass_at_k", "n_prompts", "temperature", "sha",
+                                "device", "date"]
+    assert df["step"].tolist() == [0, 2, 3, 4] and (df["k"] == 2).all() and (df["n_prompts"] == 3).all()
+    assert df["mean_at_k"].between(0, 1).all() and (df["pass_at_k"] >= df["mean_at_k"]).all()
+    again = evaluate_run(arm, model, cfg, task, killed, tmp_path / "again.csv", steps=[2], progress=False)
+    assert again["mean_at_k"].tolist() == df[df.step == 2]["mean_at_k"].tolist()      # reproducible
+    assert pd.read_csv(csv)["arm"].unique().tolist() == [arm_name]
+
+
+def test_cli_jobs_and_errors(setup, tmp_path, capsys):
+    from minite.cli import main
+    cfg, task, model, sft_dir, _ = setup
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    assert main(["sft", "--model", "tiny", "--out", str(sft_dir), "--no-progress", *sets]) == 0
+    assert "cache hit" in capsys.readouterr().out
+    out = tmp_path / "run"
+    assert main(["rl", "--arm", "bf16", "--model", "tiny", "--steps", "1", "--ckpt-every", "1", "--init",
+                 str(sft_dir), "--out", str(out), "--no-progress", *sets]) == 0
+    assert len(_lines(out / "stability.jsonl")) == 1 and (out / "stability_summary.json").is_file()
+    assert main(["eval", "--arm", "bf16", "--model", "tiny", "--run", str(out), "--out", str(tmp_path / "e.csv"),
+                 "--no-progress", *sets]) == 0
+    assert pd.read_csv(tmp_path / "e.csv")["step"].tolist() == [0, 1]
+    assert main(["rl", "--arm", "fp8", "--steps", "1", "--out", str(tmp_path / "x")]) == 2
+    assert main(["rl", "--arm", "bf16", "--steps", "1", "--rl-config", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert main(["rl", "--arm", "bf16", "--steps", "1", "--init", str(tmp_path / "missing"), "--out",
+                 str(tmp_path / "x"), *sets]) == 2
+    assert main(["sft", "--set", "rl.bogus=1", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown arm" in err.lower() or "fp8" in err
+    assert "not found" in err and "bogus" in err
