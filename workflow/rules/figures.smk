@@ -62,15 +62,12 @@ rule figure_layers:
 
 rule figure_attribution:
     input:
-        per_arm(f"{RESULTS}/{{arm}}/diagnostics/mismatch.json"),
-        per_arm(f"{RESULTS}/{{arm}}/diagnostics/attribution.csv"),
+        f"{RESULTS}/{ATTRIBUTION_ARM}/diagnostics/attribution.csv",
     output:
         png=report(f"{FIGS}/attribution.png", caption="../report/attribution.rst", category="Diagnostics"),
         pdf=f"{FIGS}/attribution.pdf",
-    params:
-        arms=" ".join(ARMS),
     log:
         f"{LOGS}/figures/attribution.log",
     shell:
-        "{PY} -m minite.report figure attribution --results {RESULTS} --arms {params.arms}"
+        "{PY} -m minite.report figure attribution --results {RESULTS} --arms {ATTRIBUTION_ARM}"
         " --out {FIGS}/attribution > {log} 2>&1"

@@ -9,7 +9,7 @@ def notebook_inputs(wildcards):
         "throughput": learner + ([f"{RESULTS}/kernels.csv"] if config["gpu"] else []),
         "diagnostics": per_arm(f"{RESULTS}/{{arm}}/diagnostics/mismatch.json")
         + per_arm(f"{RESULTS}/{{arm}}/diagnostics/layers.csv")
-        + per_arm(f"{RESULTS}/{{arm}}/diagnostics/attribution.csv"),
+        + [f"{RESULTS}/{ATTRIBUTION_ARM}/diagnostics/attribution.csv"],
     }[wildcards.nb]
 
 
