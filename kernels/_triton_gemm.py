@@ -85,22 +85,25 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
     a_h = a_codes + rows64[:, None] * kp + h[None, :]
     w_h = w_codes + cols64[:, None] * kp + h[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kmask = (k0 // 16 + j) < ks
-        if A_F16:
-            a_lo = tl.load(a_h + k0, mask=rmask[:, None], other=0.0)
-            a_hi = tl.load(a_h + (k0 + BK // 2), mask=rmask[:, None], other=0.0)
-        else:
+    if A_F16:  # (implies W_F16) a plain fp16 GEMM over the pre-decoded K order, 64 columns a step:
+        # the same sequence of k16 pieces as the two dots of the decode loop, in half the shared memory
+        for kk in range(0, kp, BK // 2):
+            a16 = tl.load(a_h + kk, mask=rmask[:, None], other=0.0)
+            w16 = tl.load(w_h + kk, mask=nmask[:, None], other=0.0)
+            acc = tl.dot(a16, tl.trans(w16), acc)
+    else:
+        for k0 in range(0, K, BK):
+            kmask = (k0 // 16 + j) < ks
             a_lo, a_hi = _decode(a_c + k0 // 2, a_s + k0 // 16, rmask[:, None, None] & kmask[None, :, None],
                                  rmask[:, None] & kmask[None, :])
-        if W_F16:
-            w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
-            w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
-        else:
-            w_lo, w_hi = _decode(w_c + k0 // 2, w_s + k0 // 16, nmask[:, None, None] & kmask[None, :, None],
-                                 nmask[:, None] & kmask[None, :])
-        acc = tl.dot(a_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+            if W_F16:
+                w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
+                w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
+            else:
+                w_lo, w_hi = _decode(w_c + k0 // 2, w_s + k0 // 16, nmask[:, None, None] & kmask[None, :, None],
+                                     nmask[:, None] & kmask[None, :])
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
     out = acc * 268435456.0  # 2**28: the two 2**-14 decode factors
     if GA_ROW:
         out = out * tl.load(ga_ptr + rows, mask=rmask, other=0.0)[:, None]

@@ -43,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=float, default=60.0, help="ms of timed repeats per point")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs of ours")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny shapes, every provider called once, no timing (a CPU smoke test of the pipeline)")
 
 
 class Timer:
@@ -142,7 +144,7 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
 
     providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"]
     cfgs = [(p, None) for p in providers]
-    if sweep:
+    if sweep and m in (16, 4096):
         cfgs += [("ours", c) for c in (SWEEP_SMALL if m <= 64 else SWEEP_LARGE)]
     for provider, cfg in cfgs:
         label = provider if cfg is None else "ours:" + _cfg_name(cfg)
@@ -166,12 +168,9 @@ def _c(variant, bm, bn, warps, stages, group_m=8):
 
 
 # --sweep (square shapes only): w16/f16 rows use the prepared weight (its one-time decode is not timed)
-SWEEP_SMALL = [_c("decode", 64, 32, 4, 4, 1), _c("decode", 64, 64, 4, 6, 1), _c("decode", 64, 128, 4, 4, 1),
-               _c("decode", 64, 64, 4, 3, 1)]
-SWEEP_LARGE = [_c("decode", 128, 128, 8, 3), _c("decode", 128, 256, 8, 3),
-               _c("w16", 128, 128, 8, 3), _c("w16", 128, 256, 8, 3), _c("w16", 64, 256, 4, 4),
-               _c("f16", 128, 256, 8, 3), _c("f16", 128, 256, 8, 4), _c("f16", 256, 128, 8, 3),
-               _c("f16", 128, 128, 4, 4), _c("f16", 128, 128, 8, 4)]
+SWEEP_SMALL = [_c("decode", 64, 32, 4, 4, 1), _c("decode", 64, 128, 4, 4, 1)]
+SWEEP_LARGE = [_c("decode", 128, 128, 8, 3), _c("w16", 128, 256, 8, 2),
+               _c("f16", 128, 256, 8, 4), _c("f16", 256, 128, 8, 3), _c("f16", 128, 128, 8, 4)]
 
 
 def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> torch.Tensor:
@@ -216,32 +215,70 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname):
               flush=True)
 
 
+def bench_quantize(timer, m, k, dev, rows, sha, devname):
+    """Activation quantizer, row scaling, RNE, bf16 in (check=False on both: no host sync)."""
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    nbytes = m * k * 2 + m * k // 2 + m * k // 16 + m * 4
+    for provider, fn in (("torch_reference", lambda t: ref.quantize(t, scaling="row", check=False)),
+                         ("ours", lambda t: quantize(t, scaling="row", check=False))):
+        n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / nbytes)))
+        xs = _copies(x, n_rot)
+        try:
+            ms = timer(lambda i, fn=fn: (lambda t=xs[i]: fn(t)), nbytes)
+        except Exception as exc:
+            print(f"  quantize {provider}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            ms = float("nan")
+        rows.append(dict(kernel="quantize", provider=provider, shape="activation_row_rne", M=m, N=0, K=k,
+                         median_ms=ms, tflops=float("nan"), gbps=nbytes / ms / 1e6, device=devname, sha=sha))
+        print(f"  quantize M={m} K={k} {provider:16s} {ms:9.4f} ms {nbytes / ms / 1e6:8.1f} GB/s", flush=True)
+
+
+def _dry_timer(make, nbytes):
+    make(0)()
+    return float("nan")
+
+
 def run(args) -> int:
-    if not torch.cuda.is_available():
-        print("kernel-bench needs a CUDA GPU (none visible)", file=sys.stderr)
+    dry = getattr(args, "dry_run", False)
+    if not torch.cuda.is_available() and not dry:
+        print("kernel-bench needs a CUDA GPU (none visible); --dry-run runs the pipeline on CPU untimed",
+              file=sys.stderr)
         return 2
     import pandas as pd
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     prov = provenance(dev)
     torch.manual_seed(0)
-    check_lines = [] if args.skip_checks else checks.run_all(dev)
-    timer = Timer(graph=not args.no_graph, rep=args.rep)
+    check_lines = [] if (args.skip_checks or dry) else checks.run_all(dev)
+    timer = _dry_timer if dry else Timer(graph=not args.no_graph, rep=args.rep)
     rows: list[dict] = []
+    out = Path(args.out)
+    from .gemm import config_status
+    kind = ("dry run: untimed" if dry else "CUDA-graph replays (triton.testing.do_bench_cudagraph)"
+            if timer.graph else "triton.testing.do_bench")
+
+    def flush():  # rewrite CSV + summary after every group: a killed run still leaves valid, complete rows
+        df = pd.DataFrame(rows)
+        for key in ("command", "date"):
+            df[key] = prov[key]
+        write_csv(out, df)
+        write_text(out.with_suffix(".md"), summary(df, prov, check_lines, kind, config_status()))
+    from .report import summary
     shapes, ms_list = (QUICK_SHAPES, QUICK_MS) if args.quick else (SHAPES, MS)
+    grouped, tokens_list, qms = GROUPED, ([16384] if args.quick else [4096, 16384]), [4096, 16384]
+    if dry:
+        shapes, ms_list, grouped, tokens_list, qms = [("tiny", 48, 160)], [1, 17], [("moe_tiny", 32, 64)], [64], [8]
     for name, n, k in shapes:
         for m in ms_list:
             bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"],
-                        args.sweep and name in ("square8192", "q_proj"))
-    for tokens in ([16384] if args.quick else [4096, 16384]):
-        for name, n, k in GROUPED:
+                        args.sweep and name == "square8192")
+        flush()
+    for tokens in tokens_list:
+        for name, n, k in grouped:
             bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"])
-    df = pd.DataFrame(rows)
-    for key in ("command", "date"):
-        df[key] = prov[key]
-    out = Path(args.out)
-    write_csv(out, df)
-    from .report import summary
-    write_text(out.with_suffix(".md"), summary(df, prov, check_lines, timer_kind="CUDA-graph replays (triton.testing.do_bench_cudagraph)" if timer.graph else "triton.testing.do_bench"))
+        flush()
+    for m in qms:
+        bench_quantize(timer, m, 64 if dry else 2048, dev, rows, prov["sha"], prov["device"])
+    flush()
     print(out.with_suffix(".md").read_text())
     return 0
 

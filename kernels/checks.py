@@ -113,7 +113,11 @@ def check_grouped(device, backend=None, e=8, n=256, k=512):
 def run_all(device, backend=None) -> list[str]:
     lines = []
     for fn in (check_quantize, check_gemm, check_batch_invariance, check_grouped):
-        for name, ok, detail in fn(device, backend):
+        try:
+            res = fn(device, backend)
+        except Exception as exc:  # a crash is a failed check, not a lost run
+            res = [(fn.__name__, False, f"raised {type(exc).__name__}: {str(exc)[:300]}")]
+        for name, ok, detail in res:
             line = f"- {'PASS' if ok else 'FAIL'} {name}: {detail}"
             lines.append(line)
             print(line, flush=True)

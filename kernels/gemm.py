@@ -124,25 +124,64 @@ def prepare_weight(w: NVFP4Tensor, backend: str | None = None):
     return PreparedWeight(w, decode_f16(w))
 
 
-def _configs(m_hint: int, interpret: bool) -> dict:
-    """Tile config and operand form by M. BK is fixed (``_triton_gemm.BK``), every variant feeds the same
-    fp16 values to the same fp16 -> fp32 wgmma in the same K order: row bits do not depend on the choice
-    (checked on the GPU: kernels/checks.py)."""
-    if interpret:
-        return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
-    for bound, cfg in _CONFIGS:
-        if m_hint <= bound:
-            return dict(cfg)
-    return dict(_CONFIGS[-1][1])
-
-
+# The safe config: used for M <= 64, and for every M where another config was not proven bit-equal to it.
+SAFE_CONFIG = dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="decode")
 # (max M, config). variant: "decode" (both operands decoded in the main loop: reads 4.5 bits/weight),
 # "w16" (weight pre-decoded fp16, A decoded in the loop), "f16" (both pre-decoded: a plain fp16 GEMM).
-_CONFIGS = [
-    (64, dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="decode")),
+CONFIGS = [
+    (64, SAFE_CONFIG),
     (1024, dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3, variant="w16")),
     (1 << 62, dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=3, variant="f16")),
 ]
+_verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_CONFIG on this GPU
+
+
+def _configs(m_hint: int, interpret: bool) -> dict:
+    """Tile config by M. BK is fixed (``_triton_gemm.BK``) and every variant feeds the same fp16 values to
+    the same fp16 -> fp32 wgmma in the same K order, so row bits should not depend on the choice; that is
+    not assumed: on first use each config is run beside SAFE_CONFIG on a probe problem and used only if
+    the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M)."""
+    if interpret:
+        return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
+    for bound, cfg in CONFIGS:
+        if m_hint <= bound:
+            return dict(cfg)
+    return dict(CONFIGS[-1][1])
+
+
+def config_status() -> dict:
+    """{config name: proven bit-equal to SAFE_CONFIG} for the configs probed so far in this process."""
+    return {f"{dict(k[1])['variant']}:{dict(k[1])['BM']}x{dict(k[1])['BN']}": v for k, v in _verified.items()}
+
+
+def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1040) -> bool:
+    """Probe: cfg vs SAFE_CONFIG on random [m, k] x [n, k] (k not a multiple of BK: the masked tail too)."""
+    from minite.kernels.quantize import quantize
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    try:
+        a = quantize((torch.randn(m, k, generator=g) * 3).to(device), scaling="row")
+        w = quantize(torch.randn(n, k, generator=g).to(device), scaling="row")
+        got = _triton_dense(a, w, torch.float32, None, cfg)
+        want = _triton_dense(a, w, torch.float32, None, SAFE_CONFIG)
+        return bool(torch.equal(got, want))
+    except Exception as exc:  # OutOfResources (shared memory) or a compiler failure: do not use it
+        import warnings
+        warnings.warn(f"minite.kernels: GEMM config {cfg} unusable here ({type(exc).__name__}: "
+                      f"{str(exc)[:200]}); using {SAFE_CONFIG}", RuntimeWarning, stacklevel=2)
+        return False
+
+
+def _pick_config(m: int, device) -> dict:
+    cfg = _configs(m, device.type == "cpu")
+    if device.type == "cpu" or cfg == SAFE_CONFIG:
+        return cfg
+    key = (device.index, tuple(sorted(cfg.items())))
+    ok = _verified.get(key)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():  # cannot probe inside a graph capture
+            return dict(SAFE_CONFIG)
+        ok = _verified[key] = _verify(cfg, device)
+    return cfg if ok else dict(SAFE_CONFIG)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +195,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     m, k = a.shape
     n = wq.shape[0]
     dev = a.device
-    cfg = dict(config) if config else _configs(m, dev.type == "cpu")
+    cfg = dict(config) if config else _pick_config(m, dev)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out

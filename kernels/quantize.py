@@ -1,10 +1,10 @@
 """Fused Triton NVFP4 activation quantizer, bit-identical to ``minite.nvfp4.quantize`` for formula "te".
 
-One program owns ROWS whole rows (padded to a power of two KP >= 256) in registers: optional 16-point RHT
-(float64 dot, one rounding to fp32, like the reference), row amax, block amax, E4M3 block scale (RNE done on
-the fp32 bits, no fp8 types in the kernel), encode scale, E2M1 rounding (RNE or the reference's counter
-hash), nibble packing. Row and static scaling read x once; tensor scaling takes an amax pre-pass (a torch
-amax, or this kernel in AMAX_ONLY mode when RHT changes the values). Every division is ``div_rn`` (IEEE
+One program owns ROWS whole rows (padded to a power of two KP >= 256) in registers: row amax, block amax,
+E4M3 block scale (RNE done on the fp32 bits, no fp8 types in the kernel), encode scale, E2M1 rounding (RNE
+or the reference's counter hash), nibble packing. Row and static scaling read x once; tensor scaling takes
+an amax pre-pass (torch). The optional 16-point RHT is its own pass (``_rht_kernel``: float64 products and
+sum, one rounding to fp32, like the reference) whose fp32 output the quantizer then reads. Every division is ``div_rn`` (IEEE
 round-to-nearest), matching torch's fp32 ``/``. Other formulas / tiles fall back to the reference.
 """
 from __future__ import annotations
@@ -37,11 +37,23 @@ if triton is not None:
         x = x * 0x297A2D39
         return x ^ (x >> 16)
 
+    @triton.jit
+    def _rht_kernel(x_ptr, y_ptr, h_ptr, n_blocks, BLK: tl.constexpr):
+        """y[b, :] = fp32(sum_i float64(x[b, i]) * H[i, :]) for BLK blocks of 16: elementwise products and a
+        float64 sum (no fp64 dot: Triton 3.6's fp64 MMA rejects K=16 on sm_90)."""
+        b = tl.program_id(0) * BLK + tl.arange(0, BLK)
+        i = tl.arange(0, 16)
+        bmask = b < n_blocks
+        x = tl.load(x_ptr + b.to(tl.int64)[:, None] * 16 + i[None, :], mask=bmask[:, None], other=0.0)
+        h = tl.load(h_ptr + i[:, None] * 16 + i[None, :])  # float64 diag(sign) @ H16 / 4
+        y = tl.sum(x.to(tl.float64)[:, :, None] * h[None, :, :], axis=1)
+        tl.store(y_ptr + b.to(tl.int64)[:, None] * 16 + i[None, :], y.to(tl.float32), mask=bmask[:, None])
+
     @triton.jit(do_not_specialize=["seed"])
-    def _te_quant_kernel(x_ptr, codes_ptr, scales_ptr, sdec_ptr, amax_ptr, rowamax_ptr, bad_ptr, rht_ptr,
+    def _te_quant_kernel(x_ptr, codes_ptr, scales_ptr, sdec_ptr, amax_ptr, bad_ptr,
                          M, K, stride_x, seed,
                          ROWS: tl.constexpr, KP: tl.constexpr, ROW_SCALING: tl.constexpr,
-                         RHT: tl.constexpr, STOCHASTIC: tl.constexpr, AMAX_ONLY: tl.constexpr):
+                         STOCHASTIC: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, KP)
@@ -49,19 +61,11 @@ if triton is not None:
         mask = rmask[:, None] & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        if RHT:
-            r = tl.arange(0, 16)
-            h = tl.load(rht_ptr + r[:, None] * 16 + r[None, :])  # float64 diag(sign) @ H16 / 4
-            x64 = tl.reshape(x.to(tl.float64), (ROWS * KP // 16, 16))
-            x = tl.reshape(tl.dot(x64, h).to(tl.float32), (ROWS, KP))
-        if not AMAX_ONLY:  # NaN/Inf flag per program (the caller raises), instead of a second pass; after
-            # the RHT, which propagates a bad input and can itself overflow fp32 (the reference checks both)
-            badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
-            tl.store(bad_ptr + pid, tl.sum(tl.sum(badv, axis=1), axis=0))
+        # NaN/Inf flag per program (the caller raises) instead of a second pass; with RHT x is already the
+        # transformed tensor, which propagates a bad input and can itself overflow (the reference checks both)
+        badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+        tl.store(bad_ptr + pid, tl.sum(tl.sum(badv, axis=1), axis=0))
         ax = tl.abs(x)
-        if AMAX_ONLY:
-            tl.store(rowamax_ptr + rows, tl.max(ax, axis=1), mask=rmask)
-            return
         if ROW_SCALING:
             amax = tl.max(ax, axis=1)  # [ROWS]
         else:
@@ -121,14 +125,24 @@ def _layout(k: int) -> tuple[int, int, int]:
     return rows, kp, warps
 
 
-def _launch(x, codes, scales, sdec, amax, rowamax, bad, seed, row_scaling, rht, stochastic, amax_only):
+def _launch(x, codes, scales, sdec, amax, bad, seed, row_scaling, stochastic):
     m, k = x.shape
     rows, kp, warps = _layout(k)
-    h = ref.rht_matrix(x.device).contiguous() if rht else x  # dummy pointer when unused
-    grid = (triton.cdiv(m, rows),)
-    _te_quant_kernel[grid](x, codes, scales, sdec, amax, rowamax, bad, h, m, k, x.stride(0), seed,
-                           ROWS=rows, KP=kp, ROW_SCALING=row_scaling, RHT=rht, STOCHASTIC=stochastic,
-                           AMAX_ONLY=amax_only, num_warps=warps)
+    _te_quant_kernel[(triton.cdiv(m, rows),)](x, codes, scales, sdec, amax, bad, m, k, x.stride(0), seed,
+                                              ROWS=rows, KP=kp, ROW_SCALING=row_scaling,
+                                              STOCHASTIC=stochastic, num_warps=warps)
+
+
+def rht16(x: torch.Tensor) -> torch.Tensor:
+    """minite.nvfp4.rht16 (float64 accumulation, one rounding to fp32) as one Triton pass: [M, K] -> fp32."""
+    x = x.contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n_blocks = x.numel() // ref.BLOCK
+    blk = 64
+    if n_blocks:
+        _rht_kernel[(triton.cdiv(n_blocks, blk),)](x, y, ref.rht_matrix(x.device).contiguous(), n_blocks,
+                                                   BLK=blk, num_warps=4)
+    return y
 
 
 def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = "tensor", amax=None,
@@ -145,7 +159,9 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
         return ref.quantize(x, **kw)
     m, k = x.shape
     dev = x.device
-    if x.stride(1) != 1:
+    if rht:  # one extra pass (the fused form needs an fp64 dot that Triton 3.6 cannot build on sm_90)
+        x = rht16(x)
+    elif x.stride(1) != 1:
         x = x.contiguous()
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(m, k // 16, dtype=torch.float8_e4m3fn, device=dev)
@@ -158,20 +174,15 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
         amax_t = torch.as_tensor(amax, dtype=torch.float32, device=dev).reshape(1)
         if check:
             ref.check_finite(amax_t, "amax")
-    elif rht:  # tensor scaling of the transformed values: per-row amax pre-pass through the same kernel
-        rowamax = torch.empty(m, dtype=torch.float32, device=dev)
-        _launch(x, codes, scales.view(torch.uint8), sdec_row, sdec_row, rowamax, bad, 0, False, True,
-                False, True)
-        amax_t = rowamax.amax().reshape(1)
-    else:
+    else:  # tensor scaling: the amax pre-pass (of the transformed values when rht)
         amax_t = x.abs().amax().to(torch.float32).reshape(1)
     if rounding == "stochastic":  # the reference's one draw, from the same generator
         g = generator if generator is not None else torch.default_generator
         seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=g.device).item())
     else:
         seed = 0
-    _launch(x, codes, scales.view(torch.uint8), sdec_row, amax_t, sdec_row, bad, seed, scaling == "row",
-            bool(rht), rounding == "stochastic", False)
+    _launch(x, codes, scales.view(torch.uint8), sdec_row, amax_t, bad, seed, scaling == "row",
+            rounding == "stochastic")
     if check and bool(bad.any()):
         raise ValueError("NVFP4 quantize: input contains NaN or Inf; refusing to produce codes")
     if scaling == "row":

@@ -37,7 +37,8 @@ def ratios(df: pd.DataFrame, ours: str = "ours") -> list[tuple[str, float, float
     return out
 
 
-def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: str) -> str:
+def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: str,
+            configs: dict | None = None) -> str:
     lines = ["# NVFP4 kernels on " + prov["device"], "",
              f"- sha: `{prov['sha']}`", f"- device: {prov['device']}", f"- command: `{prov['command']}`",
              f"- date: {prov['date']}", f"- torch: {prov['torch']}", f"- timing: medians of {timer_kind}, "
@@ -47,6 +48,9 @@ def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: st
     for what, gm, lo, hi, tgt, npts in ratios(df) + ratios(df, "ours_prepared"):
         lines.append(f"| {what} | {gm:.2f} | {lo:.2f} | {hi:.2f} | {tgt} | {npts} |")
     lines += ["", "## Checks (this run, before timing)", ""] + (check_lines or ["- skipped"])
+    if configs is not None:
+        lines += ["", "GEMM configs probed bit-equal to the safe config on this GPU (used by M bucket when true): "
+                  + (", ".join(f"`{k}`: {v}" for k, v in configs.items()) or "none probed")]
     main = df[(df.kernel == "gemm") & ~df.provider.str.contains(":")]
     dense = main.pivot_table(index=["shape", "N", "K", "M"], columns="provider", values="tflops")
     lines += ["", "## Dense GEMM, TFLOP/s", "", dense.round(1).to_markdown()]
@@ -55,6 +59,10 @@ def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: st
         t = sweep.pivot_table(index="provider", columns=["shape", "M"], values="tflops")
         lines += ["", "## Tile-config sweep of ours (variant:BMxBN w=warps s=stages), TFLOP/s", "",
                   t.round(1).to_markdown()]
+    qz = df[df.kernel == "quantize"]
+    if len(qz):
+        lines += ["", "## Activation quantizer (row scaling, RNE, bf16 in), GB/s", "",
+                  qz.pivot_table(index=["M", "K"], columns="provider", values="gbps").round(0).to_markdown()]
     grp = df[df.kernel == "grouped_gemm"].pivot_table(index=["shape", "M", "N", "K"], columns="provider",
                                                        values="tflops")
     if len(grp):

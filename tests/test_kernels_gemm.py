@@ -189,3 +189,15 @@ def test_variants_bitwise_equal_interpreter(variant):
     assert pw.f16.shape == (40, 512)
     assert torch.equal(nvfp4_gemm(a, pw, out_dtype=torch.float32, backend="triton", config=cfg), base)
     assert torch.equal(nvfp4_gemm(a, prepare_weight(w), out_dtype=torch.float32), nvfp4_gemm(a, w, out_dtype=torch.float32))
+
+
+def test_config_probe_accepts_equal_and_rejects_broken(monkeypatch):
+    """The first-use probe (run on the GPU for real): a config that matches SAFE_CONFIG bit for bit is
+    accepted; one that fails to build/run is rejected with a warning (and SAFE_CONFIG serves that M)."""
+    from minite.kernels import gemm as G
+    small = dict(BM=32, BN=32, GROUP_M=1, num_warps=4, num_stages=1, variant="decode")
+    monkeypatch.setattr(G, "SAFE_CONFIG", small)
+    ok_cfg = dict(BM=16, BN=64, GROUP_M=2, num_warps=4, num_stages=1, variant="f16")
+    assert G._verify(ok_cfg, torch.device("cpu"), 40, 48, 272)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        assert not G._verify(dict(ok_cfg, variant="bogus"), torch.device("cpu"), 40, 48, 272)

@@ -1,0 +1,27 @@
+"""The bench pipeline (CPU dry run: every provider called once, CSV + summary written) and its CLI job."""
+import pandas as pd
+
+from minite.cli import main
+from minite.kernels import report
+
+
+def test_kernel_bench_dry_run_writes_csv_and_summary(tmp_path):
+    out = tmp_path / "kernels.csv"
+    assert main(["kernel-bench", "--dry-run", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    need = {"kernel", "provider", "M", "N", "K", "median_ms", "tflops", "gbps", "device", "sha", "command", "date"}
+    assert need <= set(df.columns)
+    assert {"gemm", "grouped_gemm", "quantize"} <= set(df.kernel)
+    assert {"cublas_bf16", "naive_emulation", "ours", "ours_prepared"} <= set(df.provider)
+    md = out.with_suffix(".md").read_text()
+    assert "sha:" in md and "command:" in md and "dry run" in md
+
+
+def test_ratios_are_speed_ratios():
+    rows = []
+    for m, base, ours in ((1, 3.0, 1.0), (16, 6.0, 1.0), (4096, 1.0, 2.0)):
+        rows += [dict(kernel="gemm", provider="cublas_bf16", shape="s", M=m, median_ms=base),
+                 dict(kernel="gemm", provider="ours", shape="s", M=m, median_ms=ours)]
+    r = {what: gm for what, gm, *_ in report.ratios(pd.DataFrame(rows))}
+    assert abs(r["ours vs cuBLAS bf16, M <= 16 (decode)"] - (3.0 * 6.0) ** 0.5) < 1e-9
+    assert abs(r["ours vs cuBLAS bf16, M >= 4096"] - 0.5) < 1e-9
