@@ -255,7 +255,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True)
+        sp, si = probs.sort(dim=-1, descending=True, stable=True)  # ties: lowest id first, as argmax
         drop = (sp.cumsum(dim=-1) - sp) >= top_p  # mass before this token already reaches top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
