@@ -1,0 +1,34 @@
+"""bench-learner: the JSON it writes, and clear errors with no file on bad input."""
+import json
+
+import pytest
+
+from minite.cli import main
+
+KEYS = {"tokens_per_s", "step_ms", "step_split_ms", "peak_mem_gb", "telemetry", "model", "layers", "arm",
+        "device", "sha", "command", "date", "note", "tokens_per_update"}
+
+
+def test_bench_learner_writes_json(tmp_path):
+    out = tmp_path / "learner.json"
+    rc = main(["bench-learner", "--arm", "naive_te_nvfp4", "--model", "tiny", "--steps", "2", "--warmup", "0",
+               "--tokens-per-update", "64", "--seq-len", "32", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert KEYS <= set(d)
+    assert d["arm"] == "naive_te_nvfp4" and d["model"] == "tiny" and d["layers"] == 2
+    assert d["tokens_per_update"] == 64 and len(d["step_ms_all"]) == 2
+    assert d["tokens_per_s"] == pytest.approx(64 / (d["step_ms"] / 1e3))
+    assert d["step_split_ms"]["optimizer"] > 0 and d["peak_mem_gb"] > 0
+    assert d["telemetry"]["note"] and "Hopper" in d["note"]
+    assert d["weight_quantizations_per_update"] == 14                 # re-quantized every forward
+
+
+@pytest.mark.parametrize("args,msg", [(["--arm", "fp3"], "unknown arm"), (["--arm", "bf16", "--model", "gpt5"],
+                                      "unknown model"),
+                                     (["--arm", "bf16", "--seq-len", "30", "--tokens-per-update", "64"], "multiple")])
+def test_bench_learner_bad_input_writes_nothing(tmp_path, capsys, args, msg):
+    out = tmp_path / "x.json"
+    assert main(["bench-learner", *args, "--out", str(out)]) == 2
+    assert msg in capsys.readouterr().err
+    assert not out.exists()
