@@ -229,6 +229,7 @@ def _grouped_config(interpret: bool) -> dict:
 
 
 GROUPED_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=3)
+GROUPED_FALLBACK = dict(BM=64, BN=64, num_warps=4, num_stages=4)
 
 
 def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
@@ -249,6 +250,8 @@ def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
 
 
 def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+    import triton
+
     from . import _triton_gemm as tg
     m, k = a.shape
     e, n, _ = ex.shape
@@ -265,11 +268,18 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
     codes, scales = ex.codes.contiguous(), _u8(ex.scales)
     grid = (bound, (n + bn - 1) // bn)
-    tg.nvfp4_mm_kernel[grid](
-        a.codes.contiguous(), _u8(a.scales), codes, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
-        m, n, k, 0, codes.stride(0), scales.stride(0), gw.stride(0),
-        GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
-        BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, **cfg)
+    try:
+        tg.nvfp4_mm_kernel[grid](
+            a.codes.contiguous(), _u8(a.scales), codes, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
+            m, n, k, 0, codes.stride(0), scales.stride(0), gw.stride(0),
+            GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
+            BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, **cfg)
+    except triton.runtime.errors.OutOfResources:
+        if config or dev.type == "cpu" or GROUPED_CONFIG == GROUPED_FALLBACK:
+            raise
+        GROUPED_CONFIG.clear()  # does not fit this GPU: the small one from now on (same K order)
+        GROUPED_CONFIG.update(GROUPED_FALLBACK)
+        return _triton_grouped(a, ex, offsets, out_dtype)
     return out
 
 
