@@ -259,4 +259,6 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
         drop = (sp.cumsum(dim=-1) - sp) >= top_p  # mass before this token already reaches top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    if generator is not None and generator.device != probs.device:  # e.g. a CPU generator, CUDA logits
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
