@@ -220,3 +220,24 @@ def test_bad_inputs_raise_clear_errors():
         tr.logprobs(torch.full((1, 4), 40))
     with pytest.raises(ValueError, match="long"):
         tr.logprobs(torch.ones(1, 4))
+
+
+def test_trainer_from_local_checkpoint_keeps_minite_implementations(tmp_path):
+    src = Trainer("bf16", "tiny", seed=4)
+    src.model.save_pretrained(tmp_path)
+    tr = Trainer("minite_nvfp4", "tiny", checkpoint=str(tmp_path))
+    assert tr.model.config._experts_implementation == "minite_nvfp4"
+    assert tr.model.config._attn_implementation == "minite_invariant"
+    ids = _batch()["input_ids"]
+    assert torch.equal(tr.model.model.embed_tokens.weight, src.model.model.embed_tokens.weight)
+    lp_src, lp = src.logprobs(ids), tr.logprobs(ids)
+    assert (lp - lp_src).abs().max() < 0.5           # same weights, FP4 forward: close, not equal
+    assert not torch.equal(lp, lp_src)
+
+
+def test_weight_cache_override():
+    tr = Trainer("naive_te_nvfp4", "tiny", micro_batch_size=1, weight_cache="per_update")
+    tr.update(_batch())
+    assert tr.qstate.weight_quantizations == _n_quantized(tr)
+    with pytest.raises(ValueError, match="per_update"):
+        Trainer("minite_nvfp4", "tiny", weight_cache="per_forward")

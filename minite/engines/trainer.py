@@ -38,7 +38,8 @@ def default_loss(logprobs: torch.Tensor, batch: dict) -> torch.Tensor:
 class Trainer:
     def __init__(self, arm: Arm | str, model_cfg: dict | str, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-4, micro_batch_size: int | None = None, checkpoint: str | None = None,
-                 weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0):
+                 weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0,
+                 weight_cache: str | None = None):
         self.arm = load_arm(arm) if isinstance(arm, str) else arm
         self.model_cfg = load_model_config(model_cfg)
         self.device = torch.device(device)
@@ -59,8 +60,16 @@ class Trainer:
         self.hf_config = build_hf_config(self.model_cfg, attn_implementation=attn,
                                          experts_implementation=experts_impl)
         self.model = build_hf_model(self.model_cfg, self.hf_config, seed=seed, checkpoint=checkpoint)
-        # minite arm: weights quantized once per update (the codes the sampler gets); naive: every forward
-        self.qstate = Q.QuantState(r, cache_per_update=self.arm.sync == "nvfp4_codes", seed=seed)
+        # minite arm: weights quantized once per update (the codes the sampler gets); naive: every forward,
+        # as te.Linear does by default. ``weight_cache`` overrides: "per_update" is what TE does when the
+        # caller passes is_first_microbatch (Megatron), a fairer throughput baseline with micro-batching.
+        if weight_cache not in (None, "per_update", "per_forward"):
+            raise ValueError(f"weight_cache must be per_update or per_forward, not {weight_cache!r}")
+        if weight_cache == "per_forward" and self.arm.sync == "nvfp4_codes":
+            raise ValueError("sync nvfp4_codes ships the codes of one update: it needs weight_cache per_update")
+        per_update = (weight_cache or ("per_update" if self.arm.sync == "nvfp4_codes" else "per_forward")) \
+            == "per_update"
+        self.qstate = Q.QuantState(r, cache_per_update=per_update, seed=seed)
         if r.is_nvfp4:
             self._swap_modules()
         self.model.to(self.device)

@@ -37,6 +37,9 @@ def add_args(p) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed updates first")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--checkpoint", default=None, help="local HF checkpoint dir (default: random init)")
+    p.add_argument("--weight-cache", choices=("per_update", "per_forward"), default=None,
+                   help="NVFP4 weight quantization: once per update or every forward (default: the arm's — "
+                        "per_update for minite, per_forward for naive, as te.Linear without is_first_microbatch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output JSON path")
 
@@ -76,8 +79,11 @@ def run(args) -> int:
 
     from minite.engines.trainer import Trainer
 
-    trainer = Trainer(arm, cfg, device=device, seed=args.seed, micro_batch_size=mbs,
-                      checkpoint=args.checkpoint)
+    try:
+        trainer = Trainer(arm, cfg, device=device, seed=args.seed, micro_batch_size=mbs,
+                          checkpoint=args.checkpoint, weight_cache=args.weight_cache)
+    except (ValueError, ModelConfigError) as e:
+        return _fail(str(e))
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(3, cfg["vocab_size"], (n_seq, seq_len), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
@@ -126,6 +132,7 @@ def run(args) -> int:
         "arm": arm.name, "model": cfg["name"], "layers": cfg["num_hidden_layers"], "params": n_params,
         "tokens_per_update": tokens, "seq_len": seq_len, "micro_batch_size": mbs or n_seq,
         "steps": args.steps, "warmup": args.warmup, "trainer_gemm": arm.trainer.gemm,
+        "weight_cache": "per_update" if trainer.qstate.cache_per_update else "per_forward",
         "losses": [r["loss"] for r in results], "note": NOTES.get(arm.name, ""),
         "input": "random tokens",
     }
