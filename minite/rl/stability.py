@@ -23,8 +23,10 @@ flight is lost, and the curve is the same as an uninterrupted run's.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -57,6 +59,42 @@ def run_stability(arm, model_cfg: dict, cfg: dict, task, out_dir, *, steps: int,
     """Run (or resume) ``steps`` GRPO steps of ``arm``; returns the summary dict (also written to disk)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with _single_writer(out):
+        return _run(arm, model_cfg, cfg, task, out, steps=steps, init=init, seed=seed, device=device,
+                    ckpt_every=ckpt_every, crash_after_step=crash_after_step, progress=progress)
+
+
+@contextlib.contextmanager
+def _single_writer(out: Path):
+    """One process per run directory (stability.jsonl has one writer): an O_EXCL lock file holding the pid;
+    a lock left by a dead process (a kill) is taken over."""
+    lock = out / ".lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+                os.kill(pid, 0)
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)      # stale: its process is gone
+                continue
+            except PermissionError:
+                pass
+            raise RuntimeError(f"{out} is being written by another process (pid {pid}); one writer per run")
+    else:
+        raise RuntimeError(f"could not take the lock {lock}")
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _run(arm, model_cfg, cfg, task, out, *, steps, init, seed, device, ckpt_every, crash_after_step,
+         progress) -> dict:
     rl, every = cfg["rl"], int(ckpt_every or cfg["ckpt"]["every"])
     if rl["temperature"] != 1.0:
         raise ValueError("rl.temperature must be 1.0: the trainer scores at temperature 1, so the mismatch "
