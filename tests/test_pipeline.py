@@ -1,0 +1,168 @@
+"""The Snakemake pipeline: dry-runs of every named target (cpu and h200 profiles), config validation,
+single-arm reruns, and the embedded default `throughput_table` end to end on CPU (slow).
+
+Dry-runs work on a copy of the workflow files in a temporary directory, so results, .snakemake metadata
+and touched config files never land in the checkout.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = ["throughput_table", "stability", "evals", "diagnostics", "kernel_bench", "figures", "notebooks", "all"]
+ARMS = ["bf16", "naive_te_nvfp4", "minite_nvfp4"]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+@pytest.fixture
+def wf(tmp_path):
+    """A copy of the workflow (Snakefile, workflow/, configs/, notebooks/) to run snakemake in."""
+    for name in ("Snakefile", "workflow", "configs", "notebooks"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp_path / name)
+    return tmp_path
+
+
+def smk(wf, *args, check=True):
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([*SNAKEMAKE, "--nocolor", *args], cwd=wf, capture_output=True, text=True, env=env,
+                       timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def job_counts(out: str) -> dict[str, int]:
+    """The 'Job stats' table of a dry-run: rule -> number of jobs."""
+    table = out.split("Job stats:", 1)[1].split("Reasons:", 1)[0] if "Job stats:" in out else ""
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M)}
+    jobs.pop("total", None)
+    return jobs
+
+
+def dry(wf, *args):
+    r = smk(wf, "-n", *args, "--quiet", "rules")
+    return job_counts(r.stdout + r.stderr)
+
+
+def test_dry_run_every_target_cpu(wf):
+    """All named targets in one dry-run (one DAG; any target that cannot be built fails it)."""
+    jobs = dry(wf, *TARGETS)
+    assert all(jobs.get(t) == 1 for t in TARGETS), jobs
+    # one job per configured arm; the attribution runs once, inside one arm's diagnose
+    assert jobs["bench_learner"] == jobs["rl"] == jobs["eval"] == jobs["figure_layers"] == 3
+    assert jobs["diagnose"] + jobs["diagnose_with_attribution"] == 3 and jobs["diagnose_with_attribution"] == 1
+    assert jobs["sft"] == 1 and jobs["notebook"] == 3 and jobs["kernel_bench_csv"] == 1
+
+
+def test_all_on_cpu_leaves_out_the_gpu_kernel_bench(wf):
+    jobs = dry(wf, "all")
+    assert "kernel_bench_csv" not in jobs and "figure_kernels" not in jobs
+    assert jobs["throughput_table_files"] == 1 and jobs["figure_drift"] == 1 and jobs["notebook"] == 3
+
+
+def test_dry_run_h200_profile(wf):
+    r = smk(wf, "-n", "-p", "all", "--profile", "workflow/profiles/h200")
+    jobs = job_counts(r.stdout)
+    assert jobs.get("kernel_bench_csv") == 1 and jobs.get("bench_learner") == 3 and jobs.get("rl") == 3
+    assert "results/h200/minite_nvfp4/learner.json" in r.stdout
+    # the throughput slice: Qwen3-30B-A3B, 2 layers, 16 x 2048 tokens per update, on the GPU
+    cmd = next(ln for ln in r.stdout.splitlines() if "bench-learner --arm bf16" in ln)
+    for flag in ("--model qwen3_30b_a3b", "--layers 2", "--seq-len 2048", "--tokens-per-update 32768",
+                 "--device cuda"):
+        assert flag in cmd, cmd
+
+
+def test_dry_run_b300_profile_parses(wf):
+    assert dry(wf, "throughput_table", "--profile", "workflow/profiles/b300").get("bench_learner") == 3
+
+
+def test_config_profile_switch_and_results_dir(wf):
+    r = smk(wf, "-n", "-p", "throughput_table", "--config", "profile=h200")
+    assert "results/h200/throughput_table.csv" in r.stdout and "results/cpu" not in r.stdout
+
+
+def test_single_arm_by_config(wf):
+    r = smk(wf, "-n", "-p", "throughput_table", "--config", "arms=[minite_nvfp4]")
+    assert job_counts(r.stdout).get("bench_learner") == 1
+    assert "--arm minite_nvfp4" in r.stdout and "--arm bf16" not in r.stdout
+
+
+def test_single_arm_by_output(wf):
+    r = smk(wf, "-n", "-p", "results/cpu/naive_te_nvfp4/learner.json")
+    assert job_counts(r.stdout) == {"bench_learner": 1}
+    assert "--arm naive_te_nvfp4" in r.stdout
+
+
+def test_editing_one_arm_yaml_reruns_only_that_arm(wf):
+    old = time.time() - 3600
+    for p in (wf / "configs").rglob("*.yaml"):
+        os.utime(p, (old, old))
+    for arm in ARMS:                                        # pretend every arm was benchmarked already
+        out = wf / "results" / "cpu" / arm / "learner.json"
+        out.parent.mkdir(parents=True)
+        out.write_text("{}")
+    for ext in ("csv", "md", "tex"):
+        (wf / "results" / "cpu" / f"throughput_table.{ext}").write_text("x")
+    (wf / "results" / "cpu" / "figures").mkdir()
+    for ext in ("png", "pdf"):
+        (wf / "results" / "cpu" / "figures" / f"throughput.{ext}").write_text("x")
+    r = smk(wf, "-n", "-p", "throughput_table", "--rerun-triggers", "mtime")
+    assert "Nothing to be done" in r.stdout + r.stderr
+    os.utime(wf / "configs" / "arms" / "bf16.yaml")         # edit one arm
+    r = smk(wf, "-n", "-p", "throughput_table", "--rerun-triggers", "mtime")
+    jobs = job_counts(r.stdout)
+    assert jobs.get("bench_learner") == 1 and "--arm bf16" in r.stdout and "--arm minite_nvfp4" not in r.stdout
+    assert jobs.get("throughput_table_files") == 1         # the table is rebuilt from the new row
+
+
+def test_job_flags_come_from_the_config(wf):
+    r = smk(wf, "-n", "-p", "results/cpu/bf16/learner.json", "--config", "profile=cpu")
+    assert "--model tiny --device cpu --steps 3 --warmup 1" in r.stdout
+
+
+@pytest.mark.parametrize("config, message", [
+    (["arms=[bf16,nope]"], "unknown arm"),
+    (["profile=nope"], "unknown profile"),
+    (["smooth=0"], "minimum"),
+    (["typo_key=1"], "Additional properties"),
+])
+def test_bad_config_is_a_clear_error(wf, config, message):
+    r = smk(wf, "-n", "throughput_table", "--config", *config, check=False)
+    assert r.returncode != 0 and message in r.stdout + r.stderr
+
+
+def test_unknown_arm_output_is_not_a_target(wf):
+    r = smk(wf, "-n", "results/cpu/fp8/learner.json", check=False)
+    assert r.returncode != 0 and "MissingRuleException" in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REPO / "minite" / "jobs" / "bench_learner.py").exists(),
+                    reason="bench-learner job (minite/jobs/bench_learner.py) has not landed yet")
+def test_throughput_table_end_to_end_cpu(wf):
+    """The embedded default: `snakemake --cores all throughput_table` on CPU makes the table and figure."""
+    t0 = time.perf_counter()
+    smk(wf, "--cores", "all", "throughput_table")
+    elapsed = time.perf_counter() - t0
+    r = wf / "results" / "cpu"
+    df = pd.read_csv(r / "throughput_table.csv")
+    assert list(df.columns) == ["arm", "tokens_per_s", "ratio_vs_bf16", "ratio_vs_naive", "step_ms", "peak_mem_gb",
+                                "device", "model", "layers", "sha"]
+    assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all()
+    assert df.loc[df["arm"] == "bf16", "ratio_vs_bf16"].item() == 1.0
+    assert (df["model"] == "tiny").all() and df["device"].str.startswith("cpu").all()
+    assert "33,540" in (r / "throughput_table.md").read_text()
+    for ext, magic in (("png", b"\x89PNG"), ("pdf", b"%PDF")):
+        assert (r / "figures" / f"throughput.{ext}").read_bytes()[:4] == magic
+    print(f"throughput_table end to end: {elapsed:.0f} s")
+    assert "Nothing to be done" in smk(wf, "-n", "throughput_table").stdout  # and it is up to date after
