@@ -117,9 +117,10 @@ def build_hf_config(model_cfg: dict, attn_implementation: str | None = None,
 
 
 def build_hf_model(model_cfg: dict, hf_config, seed: int = 0, checkpoint: str | None = None,
-                   dtype=torch.bfloat16):
-    """Random-init (seeded) or local-checkpoint ``Qwen3MoeForCausalLM`` in ``dtype`` on CPU."""
-    from transformers import Qwen3MoeForCausalLM
+                   dtype=torch.bfloat16, device="cpu"):
+    """Random-init (seeded, created directly in ``dtype`` on ``device``) or local-checkpoint
+    ``Qwen3MoeForCausalLM``. A checkpoint loads on CPU; the caller moves the model."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
     ckpt = checkpoint if checkpoint is not None else model_cfg.get("checkpoint")
     if ckpt:
@@ -135,10 +136,13 @@ def build_hf_model(model_cfg: dict, hf_config, seed: int = 0, checkpoint: str | 
         # num_hidden_layers in hf_config may be smaller: the layers beyond it are skipped (a depth slice)
         return Qwen3MoeForCausalLM.from_pretrained(str(ckpt), config=hf_config, dtype=dtype,
                                                    local_files_only=True)
-    with torch.random.fork_rng(devices=[]):
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
         torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(hf_config)
-    return model.to(dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    if type(model) is not Qwen3MoeForCausalLM:
+        raise ModelConfigError(f"expected Qwen3MoeForCausalLM, transformers built {type(model).__name__}")
+    return model
 
 
 def count_params(model_cfg: dict) -> dict[str, int]:

@@ -59,7 +59,8 @@ class Trainer:
         experts_impl = X.register_experts() if r.is_nvfp4 else "grouped_mm"
         self.hf_config = build_hf_config(self.model_cfg, attn_implementation=attn,
                                          experts_implementation=experts_impl)
-        self.model = build_hf_model(self.model_cfg, self.hf_config, seed=seed, checkpoint=checkpoint)
+        self.model = build_hf_model(self.model_cfg, self.hf_config, seed=seed, checkpoint=checkpoint,
+                                    device=self.device)
         # minite arm: weights quantized once per update (the codes the sampler gets); naive: every forward,
         # as te.Linear does by default. ``weight_cache`` overrides: "per_update" is what TE does when the
         # caller passes is_first_microbatch (Megatron), a fairer throughput baseline with micro-batching.
@@ -180,7 +181,8 @@ class Trainer:
                                      "(NaN/Inf); the optimizer step was not taken")
         self.optimizer.step()
         with torch.no_grad():
-            torch._foreach_copy_(self.params, self.master)
+            for p, m in zip(self.params, self.master):  # fp32 master -> BF16 model (round to nearest)
+                p.copy_(m)
         self.qstate.bump()
         self.update_count += 1
         if cuda:
