@@ -101,7 +101,8 @@ class Sampler:
             chunk = prompts[i:i + self.max_batch]
             ids, lens = self._pad(chunk)
             valid = (torch.arange(ids.shape[1], device=self.device)[None, :] < lens[:, None]).reshape(-1)
-            self._forward(ids, torch.zeros_like(lens), calib=calib, valid=valid)
+            h, pend, _ = self._forward(ids, torch.zeros_like(lens), calib=calib, valid=valid)
+            self._logits(h, pend, rows=valid.nonzero().squeeze(-1), calib=calib)  # lm_head, if quantized
         w.set_amax(calib.amax)
         return dict(calib.amax)
 
