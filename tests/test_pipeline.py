@@ -128,6 +128,12 @@ def test_editing_one_arm_yaml_reruns_only_that_arm(wf):
 def test_job_flags_come_from_the_config(wf):
     r = smk(wf, "-n", "-p", "results/cpu/bf16/learner.json", "--config", "profile=cpu")
     assert "--model tiny --device cpu --steps 3 --warmup 1" in r.stdout
+    # a --configfile holding only the keys to change; a mapping renders as a repeated KEY=VALUE flag
+    (wf / "more.yaml").write_text("jobs:\n  rl:\n    args:\n      steps: 7\n      set: {rl.group_size: 8, rl.lr: 1.0e-5}\n")
+    r = smk(wf, "-n", "-p", "results/cpu/bf16/stability_summary.json", "--configfile", "more.yaml")
+    cmd = next(ln for ln in r.stdout.splitlines() if "minite rl --arm bf16" in ln)
+    assert "--steps 7 --ckpt-every 10 --set rl.group_size=8 --set rl.lr=1e-05" in cmd
+    assert "--init results/cpu/sft --out results/cpu/bf16" in cmd
 
 
 @pytest.mark.parametrize("config, message", [

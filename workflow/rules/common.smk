@@ -86,10 +86,15 @@ def model_inputs(name: str) -> list[str]:
 
 
 def render_args(args: dict) -> str:
-    """{'steps': 3, 'fast': True, 'skip': None, 'm': [1, 2]} -> '--steps 3 --fast --m 1 2' (shell-quoted)."""
+    """{'steps': 3, 'fast': True, 'skip': None, 'm': [1, 2], 'set': {'rl.lr': 1e-5}} ->
+    '--steps 3 --fast --m 1 2 --set rl.lr=1e-05' (shell-quoted): a list is one flag with several values, a
+    mapping a repeated KEY=VALUE flag (the RL jobs' --set)."""
     out = []
     for key, value in args.items():
         if value is None or value is False:
+            continue
+        if isinstance(value, dict):
+            out += [f"--{key} " + shlex.quote(f"{k}={v}") for k, v in value.items()]
             continue
         out.append(f"--{key}")
         if value is True:
