@@ -41,6 +41,10 @@ def test_update_report_fields():
     assert set(r["times"]) == {"quantize", "gemm", "other", "optimizer"}
     assert r["tokens"] == 2 * 16 - 4 and r["grad_norm"] > 0 and r["times"]["optimizer"] > 0
     assert r["weight_quantizations"] > 0 and r["act_quantizations"] > 0
+    t = r["times"]
+    assert t["quantize"] > 0 and t["gemm"] > 0 and t["other"] > 0
+    assert t["quantize"] + t["gemm"] + t["other"] + t["optimizer"] == pytest.approx(r["time_s"])
+    assert Trainer("bf16", "tiny").update(_batch())["times"]["gemm"] is None   # not separable in HF modules
 
 
 def _n_quantized(tr):

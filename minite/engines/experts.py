@@ -87,12 +87,11 @@ def grouped_nvfp4(a, qw: Q.QWeight, offsets: torch.Tensor, out_dtype) -> torch.T
 
 
 def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
-    r = state.recipe
-    state.act_quantizations += 1
-    a = G.quantize_activation(x, r.activations)
-    if state.gemm == "emulated":
-        return bf16_grouped_mm(Q._dq(a), qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
-    return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
+    a = Q.quantize_act(x, state)
+    with state.timed("gemm"):
+        if state.gemm == "emulated":
+            return bf16_grouped_mm(Q._dq(a), qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
+        return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
 
 
 def _padded_layout(offsets: torch.Tensor):
@@ -104,6 +103,22 @@ def _padded_layout(offsets: torch.Tensor):
     rows = torch.arange(int(offsets[-1]), device=offsets.device)
     dest = pstart[seg] + rows - offsets[:-1][seg]
     return dest, torch.cumsum(pcounts, 0).to(torch.int32), int(pcounts.sum()), counts
+
+
+def _wgrad_grouped(dyt, xt, pends, counts, w_dq) -> torch.Tensor:
+    """dW[e] = dyt[:, seg_e] @ xt[:, seg_e]^T over 16-padded token segments -> [E, N, K]."""
+    if hasattr(torch, "_grouped_mm") and dyt.shape[1] > 0:
+        dw = torch._grouped_mm(dyt, xt.t(), offs=pends)
+        # an empty group's output is not guaranteed to be written: zero it explicitly
+        dw = torch.where((counts > 0)[:, None, None], dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
+    else:
+        dw = w_dq.new_zeros(w_dq.shape)
+        start = 0
+        for e, end in enumerate(pends.tolist()):
+            if end > start:
+                dw[e] = dyt[:, start:end] @ xt[:, start:end].T
+            start = end
+    return dw.to(w_dq.dtype)
 
 
 class _GroupedNVFP4Fn(torch.autograd.Function):
@@ -120,24 +135,17 @@ class _GroupedNVFP4Fn(torch.autograd.Function):
         r = st.recipe
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dy [S, N] @ W_e [N, K]
-            dx = bf16_grouped_mm(Q.qdq_grad(dy, st, r.backward_rounding), w_dq, offsets[1:]).to(x.dtype)
+            dyq = Q.qdq_grad(dy, st, r.backward_rounding)
+            with st.timed("gemm"):
+                dx = bf16_grouped_mm(dyq, w_dq, offsets[1:]).to(x.dtype)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
             dest, pends, mp, counts = _padded_layout(offsets)
             dyp = dy.new_zeros(mp, dy.shape[1]).index_copy_(0, dest, dy)
             xp = x.new_zeros(mp, x.shape[1]).index_copy_(0, dest, x)
             dyt = Q.qdq_grad(dyp.t().contiguous(), st, r.backward_rounding, r.backward_rht)
             xt = Q.qdq_grad(xp.t().contiguous(), st, "nearest", r.backward_rht)
-            if hasattr(torch, "_grouped_mm") and mp > 0:
-                dw = torch._grouped_mm(dyt, xt.t(), offs=pends)
-                dw = torch.where((counts > 0)[:, None, None], dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
-            else:
-                dw = w_dq.new_zeros(w_dq.shape)
-                start = 0
-                for e, end in enumerate(pends.tolist()):
-                    if end > start:
-                        dw[e] = dyt[:, start:end] @ xt[:, start:end].T
-                    start = end
-            dw = dw.to(w_dq.dtype)
+            with st.timed("gemm"):
+                dw = _wgrad_grouped(dyt, xt, pends, counts, w_dq)
         return dx, dw, None, None, None
 
 

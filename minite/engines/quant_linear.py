@@ -22,7 +22,9 @@ to 1x16 blocks; K % 16 != 0 raises.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +53,39 @@ class QuantState:
         self.generator = torch.Generator().manual_seed(int(seed) + 7919)  # CPU: only draws SR seeds
         self.weight_quantizations = 0        # weight tensors quantized (one per module per quantization)
         self.act_quantizations = 0           # activation / gradient tensors quantized
-        self.quantize_s = 0.0                # host wall time in weight quantization (exact on CPU only)
+        self.cuda = False                    # set by the trainer: time with CUDA events instead of the host clock
+        self._host = defaultdict(float)
+        self._events = defaultdict(list)
 
     def bump(self) -> None:
         """The master weights changed (optimizer step / load): cached codes are stale."""
         self.version += 1
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        """Accumulate the time of a block under ``key`` ("quantize" / "gemm"): CUDA events on the GPU (no
+        sync here; ``collect`` syncs once), the host clock on CPU (where ops are synchronous)."""
+        if self.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            yield
+            e1.record()
+            self._events[key].append((e0, e1))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._host[key] += time.perf_counter() - t0
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per key since the last collect (syncs the GPU once), then reset."""
+        out = dict(self._host)
+        if self._events:
+            torch.cuda.synchronize()
+            for key, pairs in self._events.items():
+                out[key] = out.get(key, 0.0) + sum(a.elapsed_time(b) for a, b in pairs) / 1e3
+        self._host.clear()
+        self._events.clear()
+        return out
 
 
 # ------------------------------------------------------------------------------------------- weights
@@ -151,10 +181,8 @@ class WeightCache:
         st = self.state
         if st.cache_per_update and self._q is not None and self._version == st.version:
             return self._q
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), st.timed("quantize"):
             q = quantize_weight(w, self.spec, self.shards)
-        st.quantize_s += time.perf_counter() - t0
         st.weight_quantizations += 1
         if st.cache_per_update:
             self._version, self._q = st.version, q
@@ -163,14 +191,23 @@ class WeightCache:
 
 # --------------------------------------------------------------------------------- activations / grads
 def _quantize(x2d: torch.Tensor, state: QuantState, **kw) -> nvfp4.NVFP4Tensor:
+    """Backward operands; no NaN check per call (a host sync each): the update's grad-norm check catches
+    NaN/Inf gradients before any optimizer step."""
     state.act_quantizations += 1
     fast = getattr(_kernels, "quantize", None)
     fn = fast if (fast is not None and x2d.is_cuda) else nvfp4.quantize
-    return fn(x2d, generator=state.generator if kw.get("rounding") == "stochastic" else None, **kw)
+    return fn(x2d, generator=state.generator if kw.get("rounding") == "stochastic" else None, check=False, **kw)
 
 
 def _dq(t: nvfp4.NVFP4Tensor) -> torch.Tensor:
     return nvfp4.dequantize(t).to(torch.bfloat16)
+
+
+def quantize_act(x2d: torch.Tensor, state: QuantState) -> nvfp4.NVFP4Tensor:
+    """Forward activations per the recipe (gemm.quantize_activation: minite.kernels on CUDA), timed."""
+    state.act_quantizations += 1
+    with state.timed("quantize"):
+        return G.quantize_activation(x2d, state.recipe.activations)
 
 
 def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = False) -> torch.Tensor:
@@ -178,7 +215,9 @@ def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = Fa
     K % 16 != 0 (a tiny router's N = 8 as dgrad's K) leaves it in BF16."""
     if x2d.shape[1] % 16:
         return x2d.to(torch.bfloat16)
-    return _dq(_quantize(x2d, state, formula="te", tile=(1, 16), scaling="tensor", rounding=rounding, rht=rht))
+    with state.timed("quantize"):
+        return _dq(_quantize(x2d, state, formula="te", tile=(1, 16), scaling="tensor", rounding=rounding,
+                             rht=rht))
 
 
 def _pad_tokens(x2d: torch.Tensor) -> torch.Tensor:
@@ -196,14 +235,13 @@ def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState):
 
 def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -> torch.Tensor:
     """Quantize x per the activation spec, then the recipe's GEMM with the quantized weight."""
-    r = state.recipe
-    state.act_quantizations += 1
-    a = G.quantize_activation(x2d, r.activations)
-    if state.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
-        return torch.matmul(_dq(a), qw.dq.T).to(out_dtype)
-    # fp32 out, then one cast: exactly gemm.nvfp4_linear, the op the sampler runs (one rounding step less
-    # would change ties: float64 -> bf16 directly is not float64 -> fp32 -> bf16)
-    return G.nvfp4_gemm(a, qw.tensor(), state.gemm, out_dtype=torch.float32).to(out_dtype)
+    a = quantize_act(x2d, state)
+    with state.timed("gemm"):
+        if state.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
+            return torch.matmul(_dq(a), qw.dq.T).to(out_dtype)
+        # fp32 out, then one cast: exactly gemm.nvfp4_linear, the op the sampler runs (one rounding step
+        # less would change ties: float64 -> bf16 directly is not float64 -> fp32 -> bf16)
+        return G.nvfp4_gemm(a, qw.tensor(), state.gemm, out_dtype=torch.float32).to(out_dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
@@ -219,10 +257,13 @@ class _NVFP4LinearFn(torch.autograd.Function):
         st = ctx.state
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.matmul(qdq_grad(dy, st, st.recipe.backward_rounding), w_dq).to(x2d.dtype)
+            dyq = qdq_grad(dy, st, st.recipe.backward_rounding)
+            with st.timed("gemm"):
+                dx = torch.matmul(dyq, w_dq).to(x2d.dtype)
         if ctx.needs_input_grad[1]:
             dyt, xt = wgrad_operands(dy, x2d, st)
-            dw = torch.matmul(dyt, xt.T).to(w_dq.dtype)
+            with st.timed("gemm"):
+                dw = torch.matmul(dyt, xt.T).to(w_dq.dtype)
         return dx, dw, None, None
 
 

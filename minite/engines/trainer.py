@@ -71,6 +71,7 @@ class Trainer:
         per_update = (weight_cache or ("per_update" if self.arm.sync == "nvfp4_codes" else "per_forward")) \
             == "per_update"
         self.qstate = Q.QuantState(r, cache_per_update=per_update, seed=seed)
+        self.qstate.cuda = self.device.type == "cuda"
         if r.is_nvfp4:
             self._swap_modules()
         self.model.to(self.device)
@@ -146,8 +147,9 @@ class Trainer:
     def update(self, batch: dict, loss_fn=None) -> dict:
         """One complete learner update (forward, backward, AdamW step). See docs/ENGINES.md."""
         cuda = self.device.type == "cuda"
+        r_nvfp4 = self.arm.trainer.is_nvfp4
         t_start = time.perf_counter()
-        q0 = self.qstate.quantize_s
+        self.qstate.collect()  # drop anything timed outside updates (logprobs, export)
         batch = self._batch(batch)
         b = batch["input_ids"].shape[0]
         n_tokens = int(batch["loss_mask"][:, 1:].sum())
@@ -191,12 +193,14 @@ class Trainer:
             opt_s = ev[0].elapsed_time(ev[1]) / 1e3
         else:
             opt_s = time.perf_counter() - t_opt
+        spent = self.qstate.collect()
         total_s = time.perf_counter() - t_start
-        quant_s = None if cuda else self.qstate.quantize_s - q0  # host time: exact only without async GPU
+        quant_s = spent.get("quantize", 0.0)
+        gemm_s = spent.get("gemm") if r_nvfp4 else None   # BF16 GEMMs inside HF modules are not separated
         return {"loss": total, "grad_norm": grad_norm, "tokens": int(batch["attention_mask"].sum()),
                 "time_s": total_s,
-                "times": {"quantize": quant_s, "gemm": None,
-                          "other": total_s - opt_s - (quant_s or 0.0), "optimizer": opt_s},
+                "times": {"quantize": quant_s, "gemm": gemm_s,
+                          "other": total_s - opt_s - quant_s - (gemm_s or 0.0), "optimizer": opt_s},
                 "weight_quantizations": self.qstate.weight_quantizations,
                 "act_quantizations": self.qstate.act_quantizations}
 

@@ -123,8 +123,12 @@ def run(args) -> int:
     out = {
         "tokens_per_s": tokens / med, "step_ms": med * 1e3, "step_ms_all": [s * 1e3 for s in step_s],
         "step_split_ms": {k: split(k) for k in ("quantize", "gemm", "other", "optimizer")},
-        "step_split_note": "optimizer timed separately (CUDA events on GPU); quantize = host time of weight "
-                           "quantization, measured on CPU only; gemm not separated (null)",
+        "step_split_note": "medians over timed steps; CUDA events on GPU, host clock on CPU. quantize = NVFP4 "
+                           "weight/activation/gradient quantization inside minite's modules; gemm = their "
+                           "NVFP4 GEMMs, forward and backward (the emulated path's dequantize included); "
+                           "null for BF16, whose GEMMs run inside HF modules; other = the rest of forward/"
+                           "backward (attention, norms, BF16 GEMMs, fp32 grad accumulation); optimizer = "
+                           "grad-norm clip + AdamW + master->BF16 copy",
         "weight_quantizations_per_update": (results[-1]["weight_quantizations"]
                                             - results[-2]["weight_quantizations"]) if len(results) > 1 else None,
         "peak_mem_gb": peak, "peak_mem_source": mem_note,
