@@ -145,7 +145,13 @@ class Trainer:
         return [slice(s, min(s + mbs, b)) for s in range(0, b, mbs)]
 
     def update(self, batch: dict, loss_fn=None) -> dict:
-        """One complete learner update (forward, backward, AdamW step). See docs/ENGINES.md."""
+        """One complete learner update (forward, backward, AdamW step). See docs/ENGINES.md.
+
+        Micro-batches of ``micro_batch_size`` sequences. The default loss is the masked mean NLL over the
+        whole batch's response tokens (micro-batch invariant). A custom ``loss_fn(logprobs, batch_slice)`` is
+        taken as a per-slice mean and weighted by the slice's share of the sequences; ``batch_slice`` also
+        carries ``_n_tokens`` (response tokens in the whole batch) for losses that normalise globally.
+        Raises FloatingPointError (no step taken) when the gradient norm is NaN/Inf."""
         cuda = self.device.type == "cuda"
         r_nvfp4 = self.arm.trainer.is_nvfp4
         t_start = time.perf_counter()
