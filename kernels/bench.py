@@ -168,9 +168,11 @@ def _c(variant, bm, bn, warps, stages, group_m=8):
 
 
 # --sweep (square shapes only): w16/f16 rows use the prepared weight (its one-time decode is not timed)
-SWEEP_SMALL = [_c("decode", 64, 32, 4, 4, 1), _c("decode", 64, 128, 4, 4, 1)]
-SWEEP_LARGE = [_c("decode", 128, 128, 8, 3), _c("w16", 128, 256, 8, 2),
-               _c("f16", 128, 256, 8, 4), _c("f16", 256, 128, 8, 3), _c("f16", 128, 128, 8, 4)]
+# (run 3 swept decode 64x32/64x128, decode 128x128, w16 128x256 s2, f16 128x256 s4 / 256x128 / 128x128 s4;
+# the experimental decode32 rows are for the next GPU run)
+SWEEP_SMALL = [_c("decode", 64, 32, 4, 4, 1), _c("decode32", 64, 64, 4, 4, 1), _c("decode32", 64, 32, 4, 4, 1)]
+SWEEP_LARGE = [_c("decode", 128, 128, 8, 3), _c("decode32", 128, 128, 8, 3), _c("decode32", 128, 256, 8, 3),
+               _c("f16", 128, 256, 8, 4), _c("f16", 256, 128, 8, 3)]
 
 
 def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> torch.Tensor:

@@ -200,8 +200,10 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     if m == 0 or n == 0:
         return out
     variant = cfg.pop("variant", "decode")
-    if variant not in ("decode", "w16", "f16"):
+    if variant not in ("decode", "w16", "f16", "decode32"):
         raise ValueError(f"unknown GEMM variant {variant!r}")
+    if variant == "decode32":  # experimental, opt-in only (kernels/_triton_gemm_w32.py)
+        return _launch_w32(a, wq, out, bias, cfg)
     a_arg, w_arg = a.codes.contiguous(), wq.codes.contiguous()
     if variant in ("w16", "f16"):
         w_arg = prepared.f16 if prepared is not None else decode_f16(wq)
@@ -218,6 +220,36 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
         m, n, k, tiles_m, 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
         BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, A_F16=variant == "f16", W_F16=variant != "decode", **cfg)
+    return out
+
+
+def _launch_w32(a, wq, out, bias, cfg, ex=None, tiles=None):
+    from . import _triton_gemm as tg
+    from . import _triton_gemm_w32 as tw
+    m, k = a.shape
+    n = out.shape[1]
+    cfg = dict(cfg)
+    bm, bn, gm = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M", 1)
+    cfg.pop("variant", None)
+    ga = a.global_scale.contiguous()
+    a_words = a.codes.contiguous().view(torch.int32)
+    if ex is None:
+        gw = wq.global_scale.contiguous()
+        tiles_m = (m + bm - 1) // bm
+        grid = (tiles_m * ((n + bn - 1) // bn),)
+        tw.nvfp4_mm_w32_kernel[grid](
+            a_words, _u8(a.scales), wq.codes.contiguous().view(torch.int32), _u8(wq.scales), ga, gw,
+            bias.contiguous() if bias is not None else ga, out, ga, ga, ga, m, n, k, tiles_m, 0, 0, 0,
+            GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
+            BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, **cfg)
+        return out
+    tile_e, tile_r, bound, offs32 = tiles
+    gw, codes, scales = ex.global_scale.contiguous(), ex.codes.contiguous(), _u8(ex.scales)
+    tw.nvfp4_mm_w32_kernel[(bound, (n + bn - 1) // bn)](
+        a_words, _u8(a.scales), codes.view(torch.int32), scales, ga, gw, ga, out, tile_e, tile_r, offs32,
+        m, n, k, 0, codes.stride(0), scales.stride(0), gw.stride(0),
+        GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
+        BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, **cfg)
     return out
 
 
@@ -262,9 +294,11 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
         return out
     bm, bn = cfg.pop("BM"), cfg.pop("BN")
     cfg.pop("GROUP_M", None)
-    cfg.pop("variant", None)
+    variant = cfg.pop("variant", "decode")
     tile_e, tile_r, bound = _tile_schedule(offsets.to(torch.int64), m, bm)
     offs32 = offsets.to(torch.int32).contiguous()
+    if variant == "decode32":  # experimental, opt-in only
+        return _launch_w32(a, None, out, None, dict(cfg, BM=bm, BN=bn), ex, (tile_e, tile_r, bound, offs32))
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
     codes, scales = ex.codes.contiguous(), _u8(ex.scales)
     grid = (bound, (n + bn - 1) // bn)

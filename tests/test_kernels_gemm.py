@@ -201,3 +201,19 @@ def test_config_probe_accepts_equal_and_rejects_broken(monkeypatch):
     assert G._verify(ok_cfg, torch.device("cpu"), 40, 48, 272)
     with pytest.warns(RuntimeWarning, match="unusable"):
         assert not G._verify(dict(ok_cfg, variant="bogus"), torch.device("cpu"), 40, 48, 272)
+
+
+def test_experimental_word_decode_bit_equal_interpreter():
+    """decode32 (int32 word loads, kernels/_triton_gemm_w32.py): same bits as the default decode loop,
+    dense (incl. a K tail, bias, per-row scales) and grouped (empty groups)."""
+    cfg = dict(BM=32, BN=32, GROUP_M=2, num_warps=4, num_stages=1, variant="decode32")
+    a, w = _q(37, 400, seed=3), _q(40, 400, "row", seed=4)
+    bias = torch.randn(40)
+    base = nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend="triton")
+    assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
+    ws = [_q(24, 160, "tensor", seed=i) for i in range(4)]
+    offs = torch.tensor([0, 9, 9, 30, 41])
+    a2 = _q(41, 160, seed=8)
+    g0 = grouped_nvfp4_gemm(a2, ws, offs, out_dtype=torch.float32, backend="triton")
+    g1 = grouped_nvfp4_gemm(a2, ws, offs, out_dtype=torch.float32, backend="triton", config=cfg)
+    assert torch.equal(g0, g1)
