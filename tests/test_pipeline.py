@@ -172,3 +172,6 @@ def test_throughput_table_end_to_end_cpu(wf):
         assert (r / "figures" / f"throughput.{ext}").read_bytes()[:4] == magic
     print(f"throughput_table end to end: {elapsed:.0f} s")
     assert "Nothing to be done" in smk(wf, "-n", "throughput_table").stdout  # and it is up to date after
+    smk(wf, "--report", "report.html", "throughput_table")   # the HTML report, with the rst captions
+    html = (wf / "report.html").read_text()
+    assert "throughput.png" in html and "33,540 tokens/s on one B300 node" in html

@@ -110,9 +110,16 @@ def job_args(name: str) -> str:
     return (model + render_args(j.get("args", {}))).strip()
 
 
+def _cores() -> int:
+    try:
+        return workflow.cores
+    except WorkflowError:  # modes without --cores (--report, --lint): threads do not matter there
+        return 1
+
+
 def job_threads(name: str) -> int:
     t = job(name).get("threads", "all")
-    return workflow.cores if t == "all" else min(int(t), workflow.cores)
+    return _cores() if t == "all" else min(int(t), _cores())
 
 
 def job_gpus(name: str) -> int:
