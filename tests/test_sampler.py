@@ -281,3 +281,23 @@ def test_trainer_and_sampler_through_sync():
             assert torch.equal(tl, out.logprobs[:, 1:][m])
         else:
             assert diff.max() > 0
+
+
+def test_emulated_experts_cache_changes_no_bit(tiny):
+    """The naive arm's experts (emulated GEMM) use cached dequantized weights: same bits as one nvfp4_gemm
+    per expert with fresh dequantization."""
+    from minite.engines import sampler_ops as ops
+
+    cfg, model = tiny
+    s = make_sampler(load_arm("naive_te_nvfp4"), cfg, model)
+    ex, rec = s.weights.layers[0].experts, s.recipe
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 128, generator=g).bfloat16()
+    idx = torch.randint(0, 8, (20, 2), generator=g)
+    flat, perm = torch.sort(idx.reshape(-1), stable=True)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(flat, minlength=8).cumsum(0)])
+    xs = x[perm // 2]
+    cached = ops.grouped_linear(xs, ex.gate_up, offsets, rec, ex.gate_up_amax, "gu",
+                                dequantized=lambda: ex.dequantized("gate_up"))
+    loop = ops.grouped_linear(xs, ex.gate_up, offsets, rec, ex.gate_up_amax, "gu")
+    assert torch.equal(cached, loop)

@@ -176,6 +176,14 @@ class Experts:
     def num_experts(self) -> int:
         return len(self.gate_up)
 
+    def dequantized(self, part: str) -> torch.Tensor:
+        """Stacked BF16 dequantized weights [E, N, K] of "gate_up" / "down", made once per sync: the emulated
+        GEMM path multiplies by exactly these values, so caching them changes no bit."""
+        cache = self.__dict__.setdefault("_deq", {})
+        if part not in cache:
+            cache[part] = torch.stack([nvfp4.dequantize(w).to(torch.bfloat16) for w in getattr(self, part)])
+        return cache[part]
+
 
 def _slice_rows(t: nvfp4.NVFP4Tensor, a: int, b: int) -> nvfp4.NVFP4Tensor:
     g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[a:b]
@@ -183,9 +191,15 @@ def _slice_rows(t: nvfp4.NVFP4Tensor, a: int, b: int) -> nvfp4.NVFP4Tensor:
 
 
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
-                   calib: Calibrator | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of xs [S, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1]. Returns [S, N]."""
+                   calib: Calibrator | None = None, valid: torch.Tensor | None = None,
+                   dequantized=None) -> torch.Tensor:
+    """Rows of xs [S, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1]. Returns [S, N].
+    ``dequantized()``: the stacked BF16 values of NVFP4 ``weights`` for the "emulated" path."""
     bounds = offsets.tolist()
+    if isinstance(weights, list) and recipe.gemm == "emulated" and calib is None and dequantized is not None:
+        # vLLM's / TE's emulation: quantize the activations, dequantize both, one BF16 grouped GEMM
+        a = quantize_activation(xs, recipe.activations, static_scale(amax, recipe.activations, name))
+        xs, weights = nvfp4.dequantize(a).to(xs.dtype), dequantized()
     if not isinstance(weights, list):  # BF16 [E, N, K]
         if xs.is_cuda and hasattr(torch, "_grouped_mm"):
             return torch._grouped_mm(xs, weights.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
@@ -234,10 +248,11 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
     vrows = None if valid is None else valid[rows]
     h = grouped_linear(x[rows], experts.gate_up, offsets, recipe, experts.gate_up_amax,
-                       f"{experts.name}.gate_up", calib, vrows)
+                       f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"))
     gate, up = h.chunk(2, dim=-1)
     h = silu_mul(gate, up, recipe.non_gemm)
-    y = grouped_linear(h, experts.down, offsets, recipe, experts.down_amax, f"{experts.name}.down", calib, vrows)
+    y = grouped_linear(h, experts.down, offsets, recipe, experts.down_amax, f"{experts.name}.down", calib, vrows,
+                       lambda: experts.dequantized("down"))
     out = torch.empty_like(y)
     out[perm] = y  # back to (token, k) order
     out = out.view(t, k, -1)
