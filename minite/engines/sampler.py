@@ -51,6 +51,10 @@ class Sampler:
         self.arm, self.recipe = arm, arm.sampler
         if self.recipe.non_gemm not in ops.NON_GEMM:
             raise ValueError(f"sampler non_gemm {self.recipe.non_gemm!r}: expected one of {ops.NON_GEMM}")
+        if isinstance(model_cfg, str):
+            from minite.engines.models import load_model_config
+
+            model_cfg = load_model_config(model_cfg)
         self.model_cfg = model_cfg
         self.config = hf_config_of(model_cfg)
         c = self.config
@@ -64,7 +68,7 @@ class Sampler:
         self.max_seq_len = int(max_seq_len or c.max_position_embeddings)
         self.rotary = ops.Rotary(c, self.recipe.non_gemm, self.max_seq_len, self.device)
         self.weights = None            # sync.SamplerWeights, set by load_weights (only through sync)
-        self._cache = None             # (k, v) [L, max_batch, kv_heads, max_seq, head_dim], lazily allocated
+        self._cache = None             # (k, v) [L, B, kv_heads, max_seq, head_dim], allocated on first use
         tok = model_cfg.get("tokenizer") if isinstance(model_cfg, dict) else None
         self.tokenizer = CharTokenizer() if tok == "char" else None
 
@@ -110,8 +114,8 @@ class Sampler:
     def _kv(self, batch: int):
         if batch > self.max_batch:
             raise ValueError(f"batch of {batch} sequences exceeds the sampler's max_batch={self.max_batch}")
-        if self._cache is None:
-            shape = (self.num_layers, self.max_batch, self.n_kv, self.max_seq_len, self.head_dim)
+        if self._cache is None or self._cache[0].shape[1] < batch:  # grows to the largest batch seen
+            shape = (self.num_layers, batch, self.n_kv, self.max_seq_len, self.head_dim)
             self._cache = (torch.zeros(shape, dtype=torch.bfloat16, device=self.device),
                            torch.zeros(shape, dtype=torch.bfloat16, device=self.device))
         return self._cache
