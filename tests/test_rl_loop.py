@@ -18,9 +18,17 @@ SMALL = {"sft.steps": 3, "sft.batch_size": 8, "sft.eval_prompts": 8, "rl.prompts
          "drift.warmup": 3, "collapse.warmup": 3}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # these tiny ops are overhead-bound: one thread is as fast and does not spin-wait on a busy machine
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    torch.set_num_threads(2)
+def setup(tmp_path_factory, one_thread):
     cfg = load_rl_config("cpu", SMALL)
     task = build_task(cfg["task"], seed=0)
     model = load_model_config("tiny")

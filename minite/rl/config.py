@@ -16,7 +16,7 @@ RL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "rl"
 
 DEFAULTS: dict = {
     "task": {"kind": "arithmetic", "digits": 2, "ops": ["+"], "heldout_frac": 0.1, "n_heldout": 128},
-    "sft": {"steps": 300, "batch_size": 64, "lr": 3e-3, "eval_prompts": 128, "micro_batch_size": None,
+    "sft": {"steps": 600, "batch_size": 64, "lr": 5e-3, "eval_prompts": 128, "micro_batch_size": None,
             "compute_dtype": "auto"},
     "rl": {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0,
            "lr": 1e-4, "micro_batch_size": None, "clip_low": 0.2, "clip_high": 0.28, "beta": 0.0,

@@ -101,7 +101,7 @@ def _run(arm, model_cfg, cfg, task, out, *, steps, init, seed, device, ckpt_ever
                          "metrics and PPO ratios would compare different distributions")
     G, P = int(rl["group_size"]), int(rl["prompts_per_step"])
     run_id = config_hash({"arm": arm.raw or arm.name, "model": model_cfg, "cfg": {k: v for k, v in cfg.items()
-                          if k not in ("ckpt", "_source")}, "task": task.config(), "seed": seed,
+                          if k not in ("ckpt", "eval", "_source")}, "task": task.config(), "seed": seed,
                           "init": str(init) if init else None})
     _check_run_id(out, run_id)
 
