@@ -18,7 +18,10 @@ DEFAULTS = {"tiny": (4, 64, None, None), "small": (16, 512, None, 8), "qwen3_30b
 NOTES = {
     "naive_te_nvfp4": "On Hopper the naive arm's FP4 GEMMs run as TE's structure emulated: separate quantize "
                       "passes (weights re-quantized from BF16 every forward), dequantize, BF16 GEMM; TE "
-                      "itself would use FP4 tensor cores only on Blackwell.",
+                      "itself would use FP4 tensor cores only on Blackwell. The 16x16 weight quantizer here is "
+                      "multi-pass PyTorch (TE's cast is one fused kernel), and with micro-batching te.Linear "
+                      "without is_first_microbatch re-quantizes per micro-batch: --weight-cache per_update "
+                      "gives the fairer bound (see weight_cache / weight_quantizations_per_update).",
     "minite_nvfp4": "Weights quantized once per update; forward W4A4 GEMMs through minite.kernels (Triton on "
                     "Hopper: FP4 codes decoded in-register, no FP4 tensor cores); backward GEMMs on "
                     "dequantized BF16 operands.",
