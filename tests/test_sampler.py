@@ -17,8 +17,8 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 3, 4, 5, 6, 7, 8, 9]]
 
 def tiny_hf_model(seed=0, std=0.08):
     """The tiny Qwen3-MoE in BF16 with weights large enough for peaked distributions and distinct routing.
-    The rotary module is rebuilt so inv_freq is fp32, as ``from_pretrained`` leaves it (``model.to(bf16)``
-    would round the buffer to BF16)."""
+    The rotary module is rebuilt so inv_freq is fp32 whatever ``build_hf_model`` does, as ``from_pretrained``
+    leaves it (a ``model.to(bf16)`` rounds the buffer to BF16 and moves every rotary angle)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
     cfg = load_model_config("tiny")
