@@ -6,14 +6,15 @@
     nvfp4_gemm(a, w, out_dtype=torch.bfloat16, bias=None, backend=None) -> [M, N]
         a @ w.T for NVFP4Tensors a [M, K], w [N, K]; batch invariant and deterministic.
     prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes).
+    prepare_experts(ws) -> NVFP4Experts   stacked + pre-decoded fp16 experts (fast large-M grouped path).
     grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None) -> [M, N]
         MoE: rows sorted by expert, ws a list of NVFP4Tensors or an NVFP4Experts (``stack_experts``).
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
-from .gemm import (NVFP4Experts, PreparedWeight, gemm_path, grouped_nvfp4_gemm, nvfp4_gemm, prepare_weight,
-                   stack_experts)
+from .gemm import (NVFP4Experts, PreparedWeight, gemm_path, grouped_nvfp4_gemm, nvfp4_gemm, prepare_experts,
+                   prepare_weight, stack_experts)
 from .quantize import quantize
 
 __all__ = ["quantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts",
-           "stack_experts", "gemm_path"]
+           "stack_experts", "prepare_experts", "gemm_path"]

@@ -22,7 +22,8 @@ from minite import nvfp4 as ref
 from minite.provenance import provenance, write_csv, write_text
 
 from . import checks
-from .gemm import PreparedWeight, grouped_nvfp4_gemm, nvfp4_gemm, prepare_weight, stack_experts
+from .gemm import (GROUPED_F16_CONFIG, PreparedWeight, grouped_nvfp4_gemm, nvfp4_gemm, prepare_experts,
+                   prepare_weight, stack_experts)
 from .quantize import quantize
 
 L2_BYTES = 60 * 2 ** 20
@@ -86,6 +87,8 @@ def _copies(obj, n):
             return o.clone()
         if isinstance(o, PreparedWeight):
             return PreparedWeight(clone(o.w), o.f16.clone())
+        if getattr(o, "f16", None) is not None:
+            return type(o)(o.codes.clone(), o.scales.clone(), o.global_scale.clone(), o.f16.clone())
         return type(o)(o.codes.clone(), o.scales.clone(), o.global_scale.clone())
     return [obj] + [clone(obj) for _ in range(n - 1)]
 
@@ -133,7 +136,7 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
             sets = list(zip(_copies(a8, n_rot), _copies(w8, n_rot)))
             return lambda i: (lambda s=sets[i]: torch._scaled_mm(s[0], s[1].t(), scale_a=one, scale_b=one,
                                                                  out_dtype=torch.bfloat16))
-        if provider == "ours_prepared" or (cfg and cfg.get("variant") != "decode"):
+        if provider == "ours_prepared" or (cfg and cfg.get("variant") in PREPARED_VARIANTS):
             n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set["ours_prepared"])))
             sets = list(zip(_copies(a, n_rot), _copies(pw, n_rot)))
             return lambda i: (lambda s=sets[i]: nvfp4_gemm(s[0], s[1], config=cfg))
@@ -144,12 +147,12 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
 
     providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"]
     cfgs = [(p, None) for p in providers]
-    if sweep and m in (16, 4096):
-        cfgs += [("ours", c) for c in (SWEEP_SMALL if m <= 64 else SWEEP_LARGE)]
+    if sweep:
+        cfgs += [("ours", c) for c in SWEEPS.get((name, m), [])]
     for provider, cfg in cfgs:
         label = provider if cfg is None else "ours:" + _cfg_name(cfg)
         try:
-            ms = timer(mk(provider, cfg), per_set[provider if cfg is None or cfg["variant"] == "decode"
+            ms = timer(mk(provider, cfg), per_set[provider if cfg is None or cfg["variant"] not in PREPARED_VARIANTS
                                                    else "ours_prepared"])
         except Exception as exc:  # record, keep going: one provider's failure must not lose the run
             print(f"  {label} {name} M={m}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
@@ -167,12 +170,22 @@ def _c(variant, bm, bn, warps, stages, group_m=8):
     return dict(BM=bm, BN=bn, GROUP_M=group_m, num_warps=warps, num_stages=stages, variant=variant)
 
 
-# --sweep (square shapes only): w16/f16 rows use the prepared weight (its one-time decode is not timed)
-# (run 3 swept decode 64x32/64x128, decode 128x128, w16 128x256 s2, f16 128x256 s4 / 256x128 / 128x128 s4;
-# the experimental decode32 rows are for the next GPU run)
-SWEEP_SMALL = [_c("decode", 64, 32, 4, 4, 1), _c("decode32", 64, 64, 4, 4, 1), _c("decode32", 64, 32, 4, 4, 1)]
-SWEEP_LARGE = [_c("decode", 128, 128, 8, 3), _c("decode32", 128, 128, 8, 3), _c("decode32", 128, 256, 8, 3),
-               _c("f16", 128, 256, 8, 4), _c("f16", 256, 128, 8, 3)]
+# --sweep: alternatives timed beside the default at a few (shape, M) points; f16/w16/w16w rows use the
+# prepared weight (its one-time decode is not timed). Run 3 swept decode 64x32/64x128/128x128, w16 128x256 s2,
+# f16 128x256 s4 (702 TFLOP/s at 8192^3 M=4096, now the default) / 256x128 s3 / 128x128 s4.
+PREPARED_VARIANTS = ("f16", "w16", "w16w")
+SWEEPS = {
+    ("square8192", 1): [_c("decode32", 64, 64, 4, 4, 1), _c("small", 16, 64, 4, 6, 1), _c("small", 16, 128, 8, 4, 1)],
+    ("square8192", 16): [_c("decode32", 64, 64, 4, 4, 1)],
+    ("square8192", 4096): [_c("decode32", 128, 128, 8, 3), _c("f16", 128, 256, 8, 3)],
+    ("k_proj", 4096): [_c("f16", 128, 128, 8, 4), _c("w16w", 128, 128, 8, 4)],
+    ("router", 4096): [_c("f16", 128, 128, 8, 4), _c("w16w", 64, 64, 4, 4)],
+}
+# grouped (moe_gate_up, 16384 tokens): packed experts unless the variant pre-decodes them (f16/w16w: the
+# prepared experts, decode not timed; "f16@call": packed experts, decoded on every call)
+GROUPED_SWEEP = [dict(BM=64, BN=128, num_warps=4, num_stages=4, variant="decode32"),
+                 dict(BM=128, BN=256, num_warps=8, num_stages=2, variant="w16w"),
+                 dict(BM=128, BN=128, num_warps=8, num_stages=4, variant="f16")]
 
 
 def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> torch.Tensor:
@@ -184,36 +197,47 @@ def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> 
     return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
 
 
-def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname):
+def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=False):
     e, top_k = 128, 8
     offs = moe_offsets(tokens, e, top_k, dev)
     m = int(offs[-1])
     a = quantize(torch.randn(m, k, device=dev), scaling="row")
     ws = stack_experts([quantize(torch.randn(n, k, device=dev)) for _ in range(e)])
+    wsp = prepare_experts(ws)
     a16 = ref.dequantize(a).bfloat16()
     w16 = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16)
     offs32 = offs[1:].to(torch.int32)
     flops = 2.0 * m * n * k
-    per_set = {"grouped_mm_bf16": _nbytes(a16, w16) + m * n * 2, "ours": _nbytes(a, ws.codes, ws.scales) + m * n * 2}
+    per_set = {"grouped_mm_bf16": _nbytes(a16, w16) + m * n * 2, "ours": _nbytes(a, ws.codes, ws.scales) + m * n * 2,
+               "ours_prepared": _nbytes(a, wsp.f16 if wsp.f16 is not None else wsp.codes) + m * n * 2}
 
-    def mk(provider):
-        n_rot = max(1, min(16, math.ceil(2 * L2_BYTES / per_set[provider])))
+    def mk(provider, cfg=None):
+        prep = provider == "ours_prepared" or (cfg is not None and cfg["variant"] in PREPARED_VARIANTS)
+        n_rot = max(1, min(16, math.ceil(2 * L2_BYTES / per_set["ours_prepared" if prep else provider])))
         if provider == "grouped_mm_bf16":
             sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
             return lambda i: (lambda s=sets[i]: torch._grouped_mm(s[0], s[1].transpose(-2, -1), offs=offs32))
-        sets = list(zip(_copies(a, n_rot), _copies(ws, n_rot)))
-        return lambda i: (lambda s=sets[i]: grouped_nvfp4_gemm(s[0], s[1], offs))
+        if cfg is not None and cfg["variant"] == "f16@call":
+            cfg = dict(cfg, variant="f16")
+        sets = list(zip(_copies(a, n_rot), _copies(wsp if prep else ws, n_rot)))
+        return lambda i: (lambda s=sets[i]: grouped_nvfp4_gemm(s[0], s[1], offs, config=cfg))
 
-    for provider in ("grouped_mm_bf16", "ours"):
+    cfgs = [(p, None) for p in ("grouped_mm_bf16", "ours", "ours_prepared")]
+    if sweep and name == "moe_gate_up" and tokens == 16384:
+        cfgs += [("ours", c) for c in GROUPED_SWEEP + [dict(GROUPED_F16_CONFIG, variant="f16@call")]]
+    for provider, cfg in cfgs:
+        label = provider if cfg is None else "ours:" + _cfg_name(dict(cfg, GROUP_M=1))
         try:
-            ms = timer(mk(provider), per_set[provider])
+            ms = timer(mk(provider, cfg), per_set["ours_prepared" if provider == "ours_prepared" else provider])
         except Exception as exc:
-            print(f"  {provider} {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            print(f"  {label} {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
+        nb = per_set["ours_prepared" if provider == "ours_prepared" else provider]
+        provider = label
         rows.append(dict(kernel="grouped_gemm", provider=provider, shape=f"{name}_E{e}top{top_k}_T{tokens}",
                          M=m, N=n, K=k, median_ms=ms, tflops=flops / ms / 1e9,
-                         gbps=per_set[provider] / ms / 1e6, device=devname, sha=sha))
-        print(f"  {name:15s} T={tokens:6d} M={m:6d} {provider:16s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s",
+                         gbps=nb / ms / 1e6, device=devname, sha=sha))
+        print(f"  {name:15s} T={tokens:6d} M={m:6d} {provider:28s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s",
               flush=True)
 
 
@@ -272,12 +296,11 @@ def run(args) -> int:
     # order: MoE first, then the square shape, then the Qwen projections (a run cut short keeps the most)
     for tokens in tokens_list[::-1]:
         for name, n, k in grouped:
-            bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"])
+            bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"], args.sweep)
         flush()
     for name, n, k in sorted(shapes, key=lambda s: s[0] != "square8192"):
         for m in ms_list:
-            bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"],
-                        args.sweep and name == "square8192")
+            bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"], args.sweep)
         flush()
     qtimer = timer if dry else Timer(graph=False, rep=args.rep)  # the torch reference syncs: no graph
     for m in qms:

@@ -29,6 +29,7 @@ class NVFP4Experts:
     codes: torch.Tensor
     scales: torch.Tensor
     global_scale: torch.Tensor
+    f16: torch.Tensor | None = None  # [E, N, cdiv(K, 128) * 128] pre-decoded (``prepare_experts``), or None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -36,7 +37,8 @@ class NVFP4Experts:
         return (e, n, kh * 2)
 
     def to(self, device) -> "NVFP4Experts":
-        return NVFP4Experts(self.codes.to(device), self.scales.to(device), self.global_scale.to(device))
+        return NVFP4Experts(self.codes.to(device), self.scales.to(device), self.global_scale.to(device),
+                            None if self.f16 is None else self.f16.to(device))
 
 
 def stack_experts(ws) -> NVFP4Experts:
@@ -55,6 +57,18 @@ def stack_experts(ws) -> NVFP4Experts:
             raise ValueError(f"grouped_nvfp4_gemm: expert shapes differ: {w.shape} vs {ws[0].shape}")
     return NVFP4Experts(torch.stack([w.codes for w in ws]), torch.stack([w.scales for w in ws]),
                         torch.stack([w.global_scale.to(torch.float32) for w in ws]))
+
+
+def prepare_experts(ws, backend: str | None = None) -> NVFP4Experts:
+    """``stack_experts`` plus the pre-decoded fp16 copy of every expert (4x the packed bytes, once): the
+    grouped GEMM then runs the fast large-M path (same bits). Without the Triton path: just stacked."""
+    ex = stack_experts(ws)
+    if ex.f16 is not None or gemm_path(ex.codes.device, backend) != "triton":
+        return ex
+    e, n, k = ex.shape
+    flat = NVFP4Tensor(ex.codes.reshape(e * n, k // 2), ex.scales.reshape(e * n, k // 16),
+                       torch.ones((), device=ex.codes.device))
+    return NVFP4Experts(ex.codes, ex.scales, ex.global_scale, decode_f16(flat).view(e, n, -1))
 
 
 def _check_tensor(t, what: str) -> None:
@@ -124,38 +138,47 @@ def prepare_weight(w: NVFP4Tensor, backend: str | None = None):
     return PreparedWeight(w, decode_f16(w))
 
 
-# The safe config: used for M <= 64, and for every M where another config was not proven bit-equal to it.
+# The safe config: the reference every other config is probed against (and the fallback for M 17..64 and
+# for any config not proven bit-equal on this GPU).
 SAFE_CONFIG = dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="decode")
-# (max M, config). variant: "decode" (both operands decoded in the main loop: reads 4.5 bits/weight),
-# "w16" (weight pre-decoded fp16, A decoded in the loop), "f16" (both pre-decoded: a plain fp16 GEMM).
-CONFIGS = [
-    (64, SAFE_CONFIG),
-    (1024, dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3, variant="w16")),
-    (1 << 62, dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=3, variant="f16")),
-]
+# Variants: "decode" (both operands decoded in the loop from bytes: _triton_gemm), "small" (M <= 16: word
+# loads, weight tile on the 64-row side of the dot: streams the packed weight), "decode32" (word loads, both
+# decoded), "w16w" (weight pre-decoded fp16, A decoded from words), "f16" (both pre-decoded: plain fp16 GEMM).
+SMALL_CONFIG = dict(BM=16, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="small")
+NARROW_CONFIG = dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, variant="w16w")
+MID_CONFIG = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
+BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
 _verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_CONFIG on this GPU
 
 
-def _configs(m_hint: int, interpret: bool) -> dict:
-    """Tile config by M. BK is fixed (``_triton_gemm.BK``) and every variant feeds the same fp16 values to
-    the same fp16 -> fp32 wgmma in the same K order, so row bits should not depend on the choice; that is
+def _configs(m: int, n: int, interpret: bool) -> dict:
+    """Tile config by (M, N). BK is fixed (``_triton_gemm.BK``) and every variant feeds the same fp16 values
+    to the same fp16 -> fp32 dot in the same K order, so row bits should not depend on the choice; that is
     not assumed: on first use each config is run beside SAFE_CONFIG on a probe problem and used only if
-    the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M)."""
+    the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M).
+    Why these: M <= 16 is memory-bound (stream 4.5 bits/weight); narrow N (<= 512) is memory-bound on A
+    at any M (decode A in the loop, read 4.5 bits/activation, at most 4 times); else the tensor cores
+    bound it and in-loop decoding would cost as much ALU time as they take: pre-decode both (f16)."""
     if interpret:
         return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
-    for bound, cfg in CONFIGS:
-        if m_hint <= bound:
-            return dict(cfg)
-    return dict(CONFIGS[-1][1])
+    if m <= 16:
+        return dict(SMALL_CONFIG)
+    if m <= 64:
+        return dict(SAFE_CONFIG)
+    if n <= 512:
+        return dict(NARROW_CONFIG)
+    return dict(MID_CONFIG if m <= 1024 else BIG_CONFIG)
 
 
 def config_status() -> dict:
     """{config name: proven bit-equal to SAFE_CONFIG} for the configs probed so far in this process."""
-    return {f"{dict(k[1])['variant']}:{dict(k[1])['BM']}x{dict(k[1])['BN']}": v for k, v in _verified.items()}
+    return {f"{dict(k[1])['variant']}:{dict(k[1])['BM']}x{dict(k[1])['BN']}w{dict(k[1])['num_warps']}"
+            f"s{dict(k[1])['num_stages']}": v for k, v in _verified.items()}
 
 
-def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1040) -> bool:
-    """Probe: cfg vs SAFE_CONFIG on random [m, k] x [n, k] (k not a multiple of BK: the masked tail too)."""
+def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1088) -> bool:
+    """Probe: cfg vs SAFE_CONFIG on random [m, k] x [n, k] (k % 128 != 0: the masked tail too; k % 64 == 0:
+    the int32 scale-word loads too)."""
     from minite.kernels.quantize import quantize
     g = torch.Generator(device="cpu").manual_seed(1234)
     try:
@@ -171,17 +194,21 @@ def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1040) -> boo
         return False
 
 
-def _pick_config(m: int, device) -> dict:
-    cfg = _configs(m, device.type == "cpu")
-    if device.type == "cpu" or cfg == SAFE_CONFIG:
-        return cfg
+def _proven(cfg: dict, device) -> bool:
     key = (device.index, tuple(sorted(cfg.items())))
     ok = _verified.get(key)
     if ok is None:
         if torch.cuda.is_current_stream_capturing():  # cannot probe inside a graph capture
-            return dict(SAFE_CONFIG)
+            return False
         ok = _verified[key] = _verify(cfg, device)
-    return cfg if ok else dict(SAFE_CONFIG)
+    return ok
+
+
+def _pick_config(m: int, n: int, device) -> dict:
+    cfg = _configs(m, n, device.type == "cpu")
+    if device.type == "cpu" or cfg == SAFE_CONFIG:
+        return cfg
+    return cfg if _proven(cfg, device) else dict(SAFE_CONFIG)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -190,23 +217,26 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     from . import _triton_gemm as tg
+    from . import _w32_launch
     prepared = w if isinstance(w, PreparedWeight) else None
     wq = prepared.w if prepared is not None else w
     m, k = a.shape
     n = wq.shape[0]
     dev = a.device
-    cfg = dict(config) if config else _pick_config(m, dev)
+    cfg = dict(config) if config else _pick_config(m, n, dev)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
-    variant = cfg.pop("variant", "decode")
-    if variant not in ("decode", "w16", "f16", "decode32"):
+    variant = cfg.get("variant", "decode")
+    if variant not in ("decode", "w16", "f16") + _w32_launch.WORD_VARIANTS:
         raise ValueError(f"unknown GEMM variant {variant!r}")
-    if variant == "decode32":  # experimental, opt-in only (kernels/_triton_gemm_w32.py)
-        return _launch_w32(a, wq, out, bias, cfg)
-    a_arg, w_arg = a.codes.contiguous(), wq.codes.contiguous()
-    if variant in ("w16", "f16"):
-        w_arg = prepared.f16 if prepared is not None else decode_f16(wq)
+    w_f16 = None
+    if variant in ("w16", "f16", "w16w"):
+        w_f16 = prepared.f16 if prepared is not None else decode_f16(wq)
+    if variant in _w32_launch.WORD_VARIANTS:
+        return _w32_launch.launch_dense(a, wq, w_f16, out, bias, cfg)
+    cfg.pop("variant", None)
+    a_arg, w_arg = a.codes.contiguous(), (w_f16 if w_f16 is not None else wq.codes.contiguous())
     if variant == "f16":
         a_arg = decode_f16(a)
     ga, gw = a.global_scale.contiguous(), wq.global_scale.contiguous()
@@ -223,45 +253,18 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     return out
 
 
-def _launch_w32(a, wq, out, bias, cfg, ex=None, tiles=None):
-    from . import _triton_gemm as tg
-    from . import _triton_gemm_w32 as tw
-    m, k = a.shape
-    n = out.shape[1]
-    cfg = dict(cfg)
-    bm, bn, gm = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M", 1)
-    cfg.pop("variant", None)
-    ga = a.global_scale.contiguous()
-    a_words = a.codes.contiguous().view(torch.int32)
-    if ex is None:
-        gw = wq.global_scale.contiguous()
-        tiles_m = (m + bm - 1) // bm
-        grid = (tiles_m * ((n + bn - 1) // bn),)
-        tw.nvfp4_mm_w32_kernel[grid](
-            a_words, _u8(a.scales), wq.codes.contiguous().view(torch.int32), _u8(wq.scales), ga, gw,
-            bias.contiguous() if bias is not None else ga, out, ga, ga, ga, m, n, k, tiles_m, 0, 0, 0,
-            GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
-            BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, **cfg)
-        return out
-    tile_e, tile_r, bound, offs32 = tiles
-    gw, codes, scales = ex.global_scale.contiguous(), ex.codes.contiguous(), _u8(ex.scales)
-    tw.nvfp4_mm_w32_kernel[(bound, (n + bn - 1) // bn)](
-        a_words, _u8(a.scales), codes.view(torch.int32), scales, ga, gw, ga, out, tile_e, tile_r, offs32,
-        m, n, k, 0, codes.stride(0), scales.stride(0), gw.stride(0),
-        GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
-        BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, **cfg)
-    return out
-
-
-def _grouped_config(interpret: bool) -> dict:
-    """One config for every M (batch invariance needs no proof then); weights decoded in the loop."""
+def _grouped_config(interpret: bool, prepared: bool) -> dict:
+    """One config for every M (batch invariance then needs no proof): pre-decoded experts -> f16 (A decoded
+    by a pass, then a plain fp16 grouped GEMM); packed experts -> word-load decode loop."""
     if interpret:
-        return dict(BM=32, BN=32, num_warps=4, num_stages=1)
-    return dict(GROUPED_CONFIG)
+        return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode32")
+    return dict(GROUPED_F16_CONFIG if prepared else GROUPED_CONFIG)
 
 
-GROUPED_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=3)
-GROUPED_FALLBACK = dict(BM=64, BN=64, num_warps=4, num_stages=4)
+GROUPED_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=3, variant="decode32")
+GROUPED_F16_CONFIG = dict(BM=128, BN=256, num_warps=8, num_stages=4, variant="f16")
+GROUPED_FALLBACK = dict(BM=64, BN=64, num_warps=4, num_stages=4, variant="decode")
+_grouped_broken: set = set()  # configs that did not build/fit on this GPU (then GROUPED_FALLBACK: same K order)
 
 
 def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
@@ -282,38 +285,50 @@ def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
 
 
 def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
-    import triton
-
     from . import _triton_gemm as tg
+    from . import _w32_launch
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
-    cfg = dict(config) if config else _grouped_config(dev.type == "cpu")
+    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None)
+    if tuple(sorted(cfg.items())) in _grouped_broken:
+        cfg = dict(GROUPED_FALLBACK)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
-    bm, bn = cfg.pop("BM"), cfg.pop("BN")
-    cfg.pop("GROUP_M", None)
-    variant = cfg.pop("variant", "decode")
-    tile_e, tile_r, bound = _tile_schedule(offsets.to(torch.int64), m, bm)
+    variant = cfg.get("variant", "decode")
+    if variant in ("f16", "w16w", "w16") and ex.f16 is None:
+        ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
+    tile_e, tile_r, bound = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])
     offs32 = offsets.to(torch.int32).contiguous()
-    if variant == "decode32":  # experimental, opt-in only
-        return _launch_w32(a, None, out, None, dict(cfg, BM=bm, BN=bn), ex, (tile_e, tile_r, bound, offs32))
-    ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
-    codes, scales = ex.codes.contiguous(), _u8(ex.scales)
-    grid = (bound, (n + bn - 1) // bn)
     try:
-        tg.nvfp4_mm_kernel[grid](
-            a.codes.contiguous(), _u8(a.scales), codes, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
-            m, n, k, 0, codes.stride(0), scales.stride(0), gw.stride(0),
+        if variant in _w32_launch.WORD_VARIANTS:
+            return _w32_launch.launch_grouped(a, ex, out, cfg, (tile_e, tile_r, bound, offs32))
+        if variant not in ("decode", "w16", "f16"):
+            raise ValueError(f"unknown grouped GEMM variant {variant!r}")
+        cfg.pop("variant", None)
+        bm, bn = cfg.pop("BM"), cfg.pop("BN")
+        cfg.pop("GROUP_M", None)
+        ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
+        a_arg = decode_f16(a) if variant == "f16" else a.codes.contiguous()
+        if variant == "decode":
+            w_arg, ws_c = ex.codes.contiguous(), ex.codes.contiguous().stride(0)
+        else:
+            w_arg, ws_c = ex.f16, ex.f16.stride(0)
+        scales = _u8(ex.scales)
+        tg.nvfp4_mm_kernel[(bound, (n + bn - 1) // bn)](
+            a_arg, _u8(a.scales), w_arg, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
+            m, n, k, 0, ws_c, scales.stride(0), gw.stride(0),
             GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
-            BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, **cfg)
-    except triton.runtime.errors.OutOfResources:
-        if config or dev.type == "cpu" or GROUPED_CONFIG == GROUPED_FALLBACK:
+            BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, A_F16=variant == "f16", W_F16=variant != "decode", **cfg)
+    except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
+        if config or dev.type == "cpu":
             raise
-        GROUPED_CONFIG.clear()  # does not fit this GPU: the small one from now on (same K order)
-        GROUPED_CONFIG.update(GROUPED_FALLBACK)
-        return _triton_grouped(a, ex, offsets, out_dtype)
+        _grouped_broken.add(tuple(sorted(_grouped_config(False, ex.f16 is not None).items())))
+        import warnings
+        warnings.warn(f"minite.kernels: grouped config {cfg} unusable here ({type(exc).__name__}); using "
+                      f"{GROUPED_FALLBACK}", RuntimeWarning, stacklevel=2)
+        return _triton_grouped(a, ex, offsets, out_dtype, GROUPED_FALLBACK)
     return out
 
 

@@ -30,9 +30,9 @@ def ratios(df: pd.DataFrame, ours: str = "ours") -> list[tuple[str, float, float
     g = df[df.kernel == "grouped_gemm"].pivot_table(index=["shape"], columns="provider", values="median_ms")
     if "grouped_mm_bf16" in g and ours in g:
         sel = [s for s in g.index if s.endswith("_T16384")]
-        r = (g.loc[sel, "grouped_mm_bf16"] / g.loc[sel, "ours"]).dropna()
+        r = (g.loc[sel, "grouped_mm_bf16"] / g.loc[sel, ours]).dropna()
         if len(r):
-            out.append(("ours vs torch._grouped_mm bf16, 128 experts top-8, 16384 tokens", _geo(r), r.min(),
+            out.append((f"{ours} vs torch._grouped_mm bf16, 128 experts top-8, 16384 tokens", _geo(r), r.min(),
                         r.max(), ">= 0.85", len(r)))
     return out
 

@@ -203,17 +203,51 @@ def test_config_probe_accepts_equal_and_rejects_broken(monkeypatch):
         assert not G._verify(dict(ok_cfg, variant="bogus"), torch.device("cpu"), 40, 48, 272)
 
 
-def test_experimental_word_decode_bit_equal_interpreter():
-    """decode32 (int32 word loads, kernels/_triton_gemm_w32.py): same bits as the default decode loop,
-    dense (incl. a K tail, bias, per-row scales) and grouped (empty groups)."""
-    cfg = dict(BM=32, BN=32, GROUP_M=2, num_warps=4, num_stages=1, variant="decode32")
-    a, w = _q(37, 400, seed=3), _q(40, 400, "row", seed=4)
-    bias = torch.randn(40)
+@pytest.mark.parametrize("variant,bm,bn", [("decode32", 32, 32), ("small", 16, 64), ("w16w", 32, 32)])
+@pytest.mark.parametrize("k", (400, 384))  # 384: K % 64 == 0, scales read as int32 words
+def test_word_variants_bit_equal_interpreter(variant, bm, bn, k):
+    """The word-load variants (kernels/_triton_gemm_w32.py): same bits as the default decode loop (K tail,
+    bias, per-row scales), also for a prepared weight."""
+    from minite.kernels.gemm import prepare_weight
+    cfg = dict(BM=bm, BN=bn, GROUP_M=2, num_warps=4, num_stages=1, variant=variant)
+    a, w = _q(37, k, seed=3), _q(70, k, "row", seed=4)
+    bias = torch.randn(70)
     base = nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend="triton")
     assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
-    ws = [_q(24, 160, "tensor", seed=i) for i in range(4)]
+    pw = prepare_weight(w, backend="triton")
+    assert torch.equal(nvfp4_gemm(a, pw, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
+    one = nvfp4_gemm(_rows(a, 5, 6), w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg)
+    assert torch.equal(one, base[5:6])
+
+
+@pytest.mark.parametrize("variant", ("decode32", "f16", "w16w", "decode"))
+@pytest.mark.parametrize("k", (160, 192))
+def test_grouped_variants_bit_equal_interpreter(variant, k):
+    """Grouped: every variant (packed or prepared experts) gives the bits of the default path."""
+    from minite.kernels import prepare_experts
+    ws = [_q(24, k, "tensor", seed=i) for i in range(4)]
     offs = torch.tensor([0, 9, 9, 30, 41])
-    a2 = _q(41, 160, seed=8)
+    a2 = _q(41, k, seed=8)
+    cfg = dict(BM=32, BN=32, num_warps=4, num_stages=1, variant=variant)
     g0 = grouped_nvfp4_gemm(a2, ws, offs, out_dtype=torch.float32, backend="triton")
     g1 = grouped_nvfp4_gemm(a2, ws, offs, out_dtype=torch.float32, backend="triton", config=cfg)
     assert torch.equal(g0, g1)
+    ex = prepare_experts(ws, backend="triton")
+    assert ex.f16 is not None and ex.f16.shape == (4, 24, 256)
+    assert torch.equal(grouped_nvfp4_gemm(a2, ex, offs, out_dtype=torch.float32, backend="triton"), g0)
+    assert torch.equal(grouped_nvfp4_gemm(a2, ex, offs, out_dtype=torch.float32, backend="triton", config=cfg), g0)
+    for i in range(4):
+        lo, hi = int(offs[i]), int(offs[i + 1])
+        if hi > lo:
+            r = ref.nvfp4_matmul_reference(_rows(a2, lo, hi), ws[i])
+            assert checks.rel_err(g0[lo:hi], r) < 1e-5
+
+
+def test_config_choice_by_shape():
+    from minite.kernels import gemm as G
+    assert G._configs(1, 8192, False)["variant"] == "small"
+    assert G._configs(16, 4096, False)["variant"] == "small"
+    assert G._configs(64, 4096, False) == G.SAFE_CONFIG
+    assert G._configs(4096, 128, False)["variant"] == "w16w"
+    assert G._configs(1024, 8192, False) == G.MID_CONFIG
+    assert G._configs(16384, 8192, False) == G.BIG_CONFIG

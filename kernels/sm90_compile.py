@@ -1,0 +1,102 @@
+"""``python -m minite.kernels.sm90_compile``: compile every GEMM config for sm_90 without a GPU (triton's own
+ptxas), print registers / shared memory / spills / cp.async and wgmma counts, fail on a config that would not
+fit an H200 (227 KB shared memory per block). Run before spending device time (docs/KERNELS_NOTES.md)."""
+from __future__ import annotations
+
+import os
+import sys
+
+SMEM_LIMIT = 232448  # bytes per block on sm_90
+
+
+def _sig(fn, types: dict, consts: dict):
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = "constexpr" if name in consts else types.get(name, "i32")
+    return sig
+
+
+def compile_one(fn, types, consts, num_warps, num_stages, div16=()):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn, _sig(fn, types, consts), consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def configs():
+    from . import gemm as G
+    yield "dense", dict(G.SAFE_CONFIG)
+    for c in (G.SMALL_CONFIG, G.NARROW_CONFIG, G.MID_CONFIG, G.BIG_CONFIG):
+        yield "dense", dict(c)
+    from .bench import SWEEPS, GROUPED_SWEEP
+    for cfgs in SWEEPS.values():
+        for c in cfgs:
+            yield "dense", dict(c)
+    yield "grouped", dict(G.GROUPED_CONFIG)
+    yield "grouped", dict(G.GROUPED_F16_CONFIG)
+    yield "grouped", dict(G.GROUPED_FALLBACK)
+    for c in GROUPED_SWEEP:
+        yield "grouped", dict(c)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET first", file=sys.stderr)
+        return 2
+    from . import _triton_gemm as tg
+    from . import _triton_gemm_w32 as tw
+    seen, bad = set(), 0
+    for kind, cfg in configs():
+        key = (kind, tuple(sorted(cfg.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        variant = cfg.pop("variant")
+        grouped = kind == "grouped"
+        common = dict(GA_ROW=True, GW_ROW=grouped, HAS_BIAS=not grouped, GROUPED=grouped, BM=cfg["BM"],
+                      BN=cfg["BN"], BK=tg.BK, GROUP_M=1 if grouped else cfg.get("GROUP_M", 1))
+        if variant in ("decode32", "small", "w16w"):
+            fn = tw.nvfp4_mm_w32_kernel
+            wtype = "*fp16" if variant == "w16w" else "*i32"
+            types = dict(a_words="*i32", a_scales="*i32", w_words=wtype, w_scales="*i32", ga_ptr="*fp32",
+                         gw_ptr="*fp32", bias_ptr="*fp32", out_ptr="*bf16", tile_expert_ptr="*i32",
+                         tile_row_ptr="*i32", offsets_ptr="*i32")
+            consts = dict(common, SCALE_WORDS=True, SWAP=variant == "small", W_F16=variant == "w16w")
+            div = ("a_rs", "w_rs", "K", "N", "w_estride_c")
+        else:
+            fn = tg.nvfp4_mm_kernel
+            at = "*fp16" if variant == "f16" else "*u8"
+            wt = "*u8" if variant == "decode" else "*fp16"
+            types = dict(a_codes=at, a_scales="*u8", w_codes=wt, w_scales="*u8", ga_ptr="*fp32", gw_ptr="*fp32",
+                         bias_ptr="*fp32", out_ptr="*bf16", tile_expert_ptr="*i32", tile_row_ptr="*i32",
+                         offsets_ptr="*i32")
+            consts = dict(common, A_F16=variant == "f16", W_F16=variant != "decode")
+            div = ("K", "N", "w_estride_c")
+        div = tuple(n for n in fn.arg_names if n in types and types[n].startswith("*")) + div
+        name = f"{kind} {variant}:{cfg['BM']}x{cfg['BN']}w{cfg['num_warps']}s{cfg['num_stages']}"
+        try:
+            k = compile_one(fn, types, consts, cfg["num_warps"], cfg["num_stages"], div)
+        except Exception as exc:
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}")
+            bad += 1
+            continue
+        ptx = k.asm["ptx"]
+        smem = k.metadata.shared
+        regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+        cp = ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
+        cp16 = ptx.count(", 16;") if cp else 0
+        tma = ptx.count("cp.async.bulk")
+        wg = ptx.count("wgmma.mma_async")
+        mma = ptx.count("mma.sync")
+        ok = smem <= SMEM_LIMIT
+        bad += not ok
+        print(f"{'ok  ' if ok else 'SMEM'} {name:34s} smem {smem / 1024:6.1f} KB  cp.async {cp:4d} (16B {cp16:3d}) "
+              f"bulk {tma:3d} wgmma {wg:3d} mma.sync {mma:3d} regs {regs} spills {spills}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
