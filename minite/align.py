@@ -102,10 +102,11 @@ def _recipe_diff(have: Arm, want: Arm, role: str) -> list[str]:
 
 
 def align(trainer, sampler, probe_tokens=None, prompt_lens=None, response_mask=None, budget_k3: float = 0.0,
-          strict: bool = True) -> AlignmentReport:
+          strict: bool = True, **probe_kw) -> AlignmentReport:
     """Apply the contract to the pair (module docstring), sync the trainer's codes, verify. Returns the
     report (``report.sampler`` is the aligned sampler); raises ``AlignmentError`` when the pair cannot be
-    aligned, or (``strict``) when verification fails."""
+    aligned, or (``strict``) when verification fails. ``probe_kw``: n_probe, max_new_tokens, seed of the
+    generated probe batch (``verify_alignment``)."""
     problems = blockers(trainer.arm)
     hp_t, hp_s = set(trainer.arm.trainer.high_precision), set(sampler.arm.sampler.high_precision)
     if hp_t != hp_s and not any(p.startswith("different high-precision") for p in problems):
@@ -127,7 +128,7 @@ def align(trainer, sampler, probe_tokens=None, prompt_lens=None, response_mask=N
                           max_seq_len=sampler.max_seq_len)
     from minite.engines.sync import sync_weights
     sync_weights(trainer, sampler)
-    rep = verify_alignment(trainer, sampler, probe_tokens, prompt_lens, response_mask, budget_k3)
+    rep = verify_alignment(trainer, sampler, probe_tokens, prompt_lens, response_mask, budget_k3, **probe_kw)
     rep.sampler_rebuilt, rep.sampler = s_diff, sampler
     if strict and not rep.ok:
         raise AlignmentError(f"alignment of arm {want.name} failed verification: {rep.summary()}")
