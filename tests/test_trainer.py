@@ -245,3 +245,26 @@ def test_weight_cache_override():
     assert tr.qstate.weight_quantizations == _n_quantized(tr)
     with pytest.raises(ValueError, match="per_update"):
         Trainer("minite_nvfp4", "tiny", weight_cache="per_forward")
+
+
+def test_rotary_keeps_fp32_inv_freq_as_upstream_loading_does():
+    # .to(bfloat16) on a built model would round HF's inv_freq buffer; from_pretrained/from_config with
+    # dtype= keep it fp32 — the sampler builds its rotary from the same config in fp32, so this matters
+    tr = Trainer("bf16", "tiny")
+    assert tr.model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_aligned_arm_trainer_and_sampler_logprobs_are_bit_identical():
+    from minite.engines import build_engines
+
+    tr, sa = build_engines("minite_nvfp4", "tiny", seed=3)
+    tr.update(_batch())
+    from minite.engines.sync import sync_weights
+    sync_weights(tr, sa)
+    ids = _batch(b=2, t=14, seed=7)["input_ids"][:, :14].clone()
+    ids[ids == 0] = 5
+    lens = torch.tensor([4, 6])
+    lp_t = tr.logprobs(ids)                               # [B, T-1]: token t at column t-1
+    lp_s = sa.score(ids, lens)                            # [B, T]: decode-path replay, 0 on the prompt
+    for b in range(2):
+        assert torch.equal(lp_t[b, lens[b] - 1:], lp_s[b, lens[b]:]), (lp_t[b] - lp_s[b, 1:]).abs().max()
