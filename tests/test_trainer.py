@@ -268,3 +268,15 @@ def test_aligned_arm_trainer_and_sampler_logprobs_are_bit_identical():
     lp_s = sa.score(ids, lens)                            # [B, T]: decode-path replay, 0 on the prompt
     for b in range(2):
         assert torch.equal(lp_t[b, lens[b] - 1:], lp_s[b, lens[b]:]), (lp_t[b] - lp_s[b, 1:]).abs().max()
+
+
+def test_te_backend_missing_is_a_clear_error():
+    pytest.importorskip("transformers")
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("Transformer Engine installed")
+    except ImportError:
+        pass
+    arm = load_arm("naive_te_nvfp4").override({"trainer.gemm": "te"})
+    with pytest.raises(RuntimeError, match="Transformer Engine"):
+        Trainer(arm, "tiny")
