@@ -176,7 +176,7 @@ class Trainer:
             total += float(loss.detach())
             for p, m in zip(self.params, self.master):
                 if p.grad is not None:
-                    m.grad.add_(p.grad.float())
+                    m.grad.add_(p.grad)  # fp32 += bf16, promoted in place (no fp32 temporary)
                     p.grad = None
         if cuda:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
