@@ -280,3 +280,15 @@ def test_te_backend_missing_is_a_clear_error():
     arm = load_arm("naive_te_nvfp4").override({"trainer.gemm": "te"})
     with pytest.raises(RuntimeError, match="Transformer Engine"):
         Trainer(arm, "tiny")
+
+
+def test_high_precision_first_layer_stays_bf16():
+    arm = load_arm("naive_te_nvfp4").override(
+        {"trainer.high_precision": ["embed_tokens", "lm_head", "first_layer"]})
+    tr = Trainer(arm, "tiny")
+    l0, l1 = tr.model.model.layers
+    assert type(l0.self_attn.q_proj) is torch.nn.Linear and getattr(l0.mlp.experts, "minite_quant", None) is None
+    assert not hasattr(l0.mlp.gate, "cache")
+    assert isinstance(l1.self_attn.q_proj, Q.NVFP4Linear) and l1.mlp.experts.minite_quant is not None
+    assert hasattr(l1.mlp.gate, "cache")                            # the naive arm quantizes the router
+    assert tr.update(_batch())["loss"] > 0
