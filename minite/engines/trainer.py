@@ -226,20 +226,22 @@ class Trainer:
     # -------------------------------------------------------------------------------------------- sync
     def export_weights(self) -> dict:
         """{"form": "bf16"|"nvfp4_codes", "tensors": {hf_param_name: ...}} (docs/ENGINES.md, Sync).
-        bf16: a BF16 copy of every parameter. nvfp4_codes: NVFP4Tensor per quantized linear (the cached
-        codes this update's forward used), a list of E NVFP4Tensors per quantized expert parameter, BF16
-        copies of everything kept in high precision."""
-        tensors = {n: p.detach().to(torch.bfloat16).clone() for n, p in self.model.named_parameters()}
+        bf16: a BF16 copy of every parameter. nvfp4_codes: NVFP4Tensor per quantized linear — the cached
+        codes of the current weights, the very ones the trainer's next forwards use (one quantization per
+        update) — a list of E NVFP4Tensors per quantized expert parameter, BF16 copies of the rest."""
+        params = dict(self.model.named_parameters())
         if self.arm.sync == "bf16":
-            return {"form": "bf16", "tensors": tensors}
+            return {"form": "bf16", "tensors": {n: p.detach().to(torch.bfloat16).clone() for n, p in params.items()}}
+        codes = {}
         for mname, mod in self.model.named_modules():
             prefix = f"{mname}." if mname else ""
             if isinstance(mod, Q.NVFP4Linear) or hasattr(mod, "quantized") and hasattr(mod, "cache"):
-                tensors[prefix + "weight"] = mod.quantized().tensor()
+                codes[prefix + "weight"] = mod.quantized().tensor()
             q = getattr(mod, "minite_quant", None)
             if q is not None:
-                tensors[prefix + "gate_up_proj"] = q.gate_up.get(mod.gate_up_proj).tensors()
-                tensors[prefix + "down_proj"] = q.down.get(mod.down_proj).tensors()
+                codes[prefix + "gate_up_proj"] = q.gate_up.get(mod.gate_up_proj).tensors()
+                codes[prefix + "down_proj"] = q.down.get(mod.down_proj).tensors()
+        tensors = {n: codes[n] if n in codes else p.detach().to(torch.bfloat16).clone() for n, p in params.items()}
         return {"form": "nvfp4_codes", "tensors": tensors}
 
     # ------------------------------------------------------------------------------------- checkpoints
