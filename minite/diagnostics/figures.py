@@ -85,6 +85,7 @@ def attribution_waterfall(attr: pd.DataFrame, stem: str | Path, title: str = "",
         if order == "shapley":  # a waterfall needs a running level: stack Shapley values from the start
             start = float(d["k3_before"].iloc[0])
             levels = start - np.concatenate([[0.0], np.cumsum(d["delta"].to_numpy(float))])
+            levels[-1] = float(d["k3_after"].iloc[-1])  # the measured end point, not a rounded running sum
         else:
             levels = np.concatenate([[float(d["k3_before"].iloc[0])], d["k3_after"].to_numpy(float)])
         labels = ["naive"] + list(d["cause"]) + ["aligned"]
@@ -99,6 +100,9 @@ def attribution_waterfall(attr: pd.DataFrame, stem: str | Path, title: str = "",
                 ax.text(x[i + 1], hi, f"{100 * share:.0f}%", ha="center", va="bottom", fontsize=8)
             ax.plot([x[i] - 0.4, x[i + 1] + 0.4], [levels[i]] * 2, color="0.5", lw=0.6, ls=":")
         ax.bar(x[-1], levels[-1], color=palette[0])
+        for i in (0, len(labels) - 1):  # the end points' values (an exact 0 has no visible bar)
+            ax.text(x[i], levels[-1 if i else 0], f"{levels[-1 if i else 0]:.2e}", ha="center", va="bottom",
+                    fontsize=7)
         ax.set_xticks(x, labels, rotation=35, ha="right", fontsize=8)
         ax.set_title(order)
         ax.set_ylabel(f"mismatch {metric}")

@@ -37,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attribution", choices=("on", "off"), default="on",
                    help="run the 32-arm cause attribution (off: attribution.csv is not written)")
     p.add_argument("--attribution-prompts", type=int, default=8)
+    p.add_argument("--attribution-from", default=None, metavar="DIR",
+                   help="reuse the attribution another arm's diagnose run computed with the same model, "
+                        "checkpoint, seed and sampling settings (it does not depend on --arm)")
     p.add_argument("--out", required=True, help="output directory")
 
 
@@ -45,6 +48,29 @@ def _checkpoint(path):
         return None
     from minite.rl.common import init_weights_path  # accepts an SFT dir (sft.json + weights/) or a checkpoint
     return str(init_weights_path(path))
+
+
+_SAME = ("model", "layers", "checkpoint", "device", "max_new_tokens", "temperature", "seed")
+
+
+def _reuse_attribution(src: Path, settings: dict, args):
+    """(attribution, subsets, source info) from another run's directory, refusing different settings."""
+    import json
+
+    import pandas as pd
+    try:
+        rec = json.loads((src / "mismatch.json").read_text())
+        attr = pd.read_csv(src / "attribution.csv")
+        subsets = pd.read_csv(src / "attribution_subsets.csv")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--attribution-from {src}: cannot read its attribution ({e})") from None
+    theirs = {k: rec.get("settings", {}).get(k) for k in _SAME}
+    mine = {k: settings.get(k) for k in _SAME}
+    prompts = rec.get("attribution_settings", {}).get("prompts")
+    if theirs != mine or prompts != args.attribution_prompts:
+        raise ValueError(f"--attribution-from {src}: computed with other settings ({theirs}, prompts "
+                         f"{prompts}) than this run ({mine}, prompts {args.attribution_prompts})")
+    return attr, subsets, {"dir": str(src), "provenance": rec.get("provenance")}
 
 
 def run(args) -> int:
@@ -74,8 +100,14 @@ def run(args) -> int:
     m = d["metrics"]
     print(f"{arm.name}: k3={m['k3']:.3e} k1={m['k1']:.3e} token_mult_prob_error={m['token_mult_prob_error']:.6f} "
           f"n_tokens={m['n_tokens']} first divergence: {d['first_divergence']}")
-    attr = subsets = None
-    if args.attribution == "on":
+    attr = subsets = reused = None
+    if args.attribution == "on" and args.attribution_from:
+        try:
+            attr, subsets, reused = _reuse_attribution(Path(args.attribution_from), settings, args)
+        except ValueError as e:
+            print(f"diagnose: {e}", file=sys.stderr)
+            return 2
+    elif args.attribution == "on":
         attr, subsets = attribution_table(model_cfg, device=args.device, seed=args.seed, checkpoint=ckpt,
                                           n_prompts=args.attribution_prompts, max_new_tokens=args.max_new_tokens,
                                           temperature=args.temperature)
@@ -92,6 +124,8 @@ def run(args) -> int:
         record["attribution_top_causes"] = [{"cause": c, "share": s} for c, s in top_causes(attr)]
         record["attribution_settings"] = {"prompts": args.attribution_prompts, "tokens": "naive sampler",
                                           "metric": "k3"}
+        if reused is not None:
+            record["attribution_source"] = reused
     # figures first (they can fail on odd data); tables and the json last, so a crash leaves no partial set
     figures.layer_heatmap(d["layers"], out / "layers_heatmap",
                           title=f"{arm.name} ({model_cfg['name']}): relative error, trainer vs sampler")
