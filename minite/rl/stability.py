@@ -9,7 +9,10 @@ One step (docs/ENGINES.md):
   4. update    ``trainer.update(batch, loss_fn=grpo_loss)`` (one learner update per step)
   5. sync      ``sync_weights(trainer, sampler)``
 and one JSONL line per step (``stability.jsonl``; keys ending in ``_s`` / ``_per_s`` are timings, everything
-else is a deterministic function of the seed). Entropy is the SAMPLER-side Monte-Carlo estimate: minus the
+else is a deterministic function of the seed). Phases: ``generate_s`` = sampling + reward checking,
+``score_s`` = the trainer's log-prob recompute, ``update_s`` = the learner update, ``sync_s`` = the weight
+sync (``sync_bytes`` shipped); ``*_tokens_per_s`` = response tokens (generate) or all tokens (score, update)
+per second. Entropy is the SAMPLER-side Monte-Carlo estimate: minus the
 mean log-prob of the sampled response tokens under the distribution they were sampled from.
 
 Determinism and resume: the prompts of step s are a pure function of (seed, s); sampling draws from one
@@ -181,7 +184,7 @@ def _one_step(step, task, trainer, sampler, sync, loss_fn, reference, rl, gen, P
         batch["ref_logprobs"] = reference.logprobs(ro.tokens, ro.attention_mask).detach().float().cpu()
     upd = trainer.update(batch, loss_fn=_undo_slice_weighting(loss_fn, P * G))
     t3 = time.perf_counter()
-    sync(trainer, sampler)
+    synced = sync(trainer, sampler) or {}
     t4 = time.perf_counter()
 
     resp = ro.response_mask.bool()
@@ -209,6 +212,9 @@ def _one_step(step, task, trainer, sampler, sync, loss_fn, reference, rl, gen, P
             rec[f"{name}_tokens_per_s"] = toks / secs if secs > 0 else None
     for k, v in (upd.get("times") or {}).items():
         rec[f"update_{k}_s"] = None if v is None else float(v)
+    if synced.get("bytes"):
+        rec["sync_bytes"] = int(synced["bytes"])
+        rec["sync_bytes_per_s"] = synced["bytes"] / (t4 - t3) if t4 > t3 else None
     rec["step_s"] = t4 - t0
     for k, v in rec.items():
         if isinstance(v, float) and not math.isfinite(v) and not is_timing_key(k):
