@@ -163,3 +163,37 @@ def test_sigkill_mid_run_then_resume(setup, tmp_path):
     a, b = _lines(full / "stability.jsonl"), _lines(jsonl)
     assert [l["step"] for l in b] == [1, 2, 3, 4]
     assert [_strip(l) for l in a] == [_strip(l) for l in b]
+
+
+def test_kl_reference_and_tis_options(setup, tmp_path):
+    cfg, task, model, sft_dir, _ = setup
+    opt = load_rl_config("cpu", {**SMALL, "rl.beta": 0.05, "rl.tis_cap": 2.0, "rl.micro_batch_size": 2})
+    run_stability(load_arm("naive_te_nvfp4"), model, opt, task, tmp_path / "r", steps=1, init=sft_dir,
+                  progress=False)
+    line = _lines(tmp_path / "r" / "stability.jsonl")[0]
+    assert 0 < line["tis_weight_mean"] <= 2.0 and 0 <= line["tis_frac_capped"] <= 1
+    assert line["grad_norm"] >= 0 and line["n_response_tokens"] > 0
+
+
+def test_micro_batching_gives_the_full_batch_token_mean(setup):
+    """GRPO's token-mean must not depend on how the trainer slices the batch (unequal response lengths)."""
+    from minite.engines.trainer import Trainer
+    from minite.rl.common import init_weights_path
+    from minite.rl.grpo import make_loss_fn
+    from minite.rl.stability import _undo_slice_weighting
+    _, _, model, sft_dir, _ = setup
+    ids = torch.tensor([[1, 4, 13, 5, 15, 2, 0, 0], [1, 5, 13, 6, 15, 7, 8, 2],
+                        [1, 6, 13, 7, 15, 9, 2, 0], [1, 7, 13, 8, 15, 4, 5, 6]])
+    resp = torch.tensor([[0, 0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 1],
+                         [0, 0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1, 1]])
+    att = (ids != 0).long()
+    out = []
+    for mbs in (None, 1):
+        tr = Trainer("bf16", model, checkpoint=str(init_weights_path(sft_dir)), micro_batch_size=mbs, lr=1e-3)
+        old = tr.logprobs(ids, att)
+        batch = {"input_ids": ids, "attention_mask": att, "loss_mask": resp, "old_logprobs": old,
+                 "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]), "sampler_logprobs": old,
+                 "loss_denominator": torch.full((4,), float(resp.sum()))}
+        out.append(tr.update(batch, loss_fn=_undo_slice_weighting(make_loss_fn(), 4)))
+    assert out[0]["loss"] == pytest.approx(out[1]["loss"], abs=1e-6)
+    assert out[0]["grad_norm"] == pytest.approx(out[1]["grad_norm"], rel=2e-2)   # bf16 compute per slice

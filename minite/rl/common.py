@@ -33,23 +33,32 @@ def needs_calibration(arm) -> bool:
 def build_rl_engines(arm, model_cfg: dict, *, device: str = "cpu", seed: int = 0, lr: float = 1e-4,
                      micro_batch_size=None, init: str | Path | None = None, max_batch: int = 64,
                      max_seq_len: int = 64, calib_prompts: list[list[int]] | None = None):
-    """(trainer, sampler, sync_weights) for ``arm``, both holding the warm-start weights."""
-    Trainer, Sampler, sync_weights = _engine_modules()
-    trainer = Trainer(arm, model_cfg, device=device, seed=seed, lr=lr, micro_batch_size=micro_batch_size,
-                      checkpoint=str(init_weights_path(init)) if init else None)
-    sampler = Sampler(arm, model_cfg, device=device, max_batch=max_batch, max_seq_len=max_seq_len)
-    sync_weights(trainer, sampler)
-    if needs_calibration(arm):
-        if not calib_prompts:
-            raise ValueError(f"arm {arm.name} needs calibration prompts for its static activation scales")
-        sampler.calibrate(calib_prompts)
+    """(trainer, sampler, sync_weights) for ``arm`` via ``minite.engines.build_engines``, both holding the
+    warm-start weights, the sampler calibrated on ``calib_prompts`` when the arm has static scales."""
+    from minite.engines import build_engines
+    _, _, sync_weights = _engine_modules()
+    if needs_calibration(arm) and not calib_prompts:
+        raise ValueError(f"arm {arm.name} needs calibration prompts for its static activation scales")
+    trainer, sampler = build_engines(arm, model_cfg, device=device, seed=seed,
+                                     checkpoint=_ckpt(init),
+                                     calibration_prompts=calib_prompts, max_batch=max_batch,
+                                     max_seq_len=max_seq_len, lr=lr, micro_batch_size=micro_batch_size)
     return trainer, sampler, sync_weights
 
 
-def init_weights_path(init: str | Path) -> Path:
-    """The weights of a warm start: an SFT directory (``minite.rl.sft``) or a checkpoint directory as is."""
+def _ckpt(init) -> str | None:
+    p = init_weights_path(init) if init else None
+    return str(p) if p is not None else None
+
+
+def init_weights_path(init: str | Path) -> Path | None:
+    """The weights of a warm start: an SFT directory (``minite.rl.sft``) or a checkpoint directory as is.
+    None when the SFT directory recorded no weights (``sft.steps: 0``: the model config's own checkpoint)."""
+    import json
     p = Path(init)
     if (p / "sft.json").is_file():
+        if json.loads((p / "sft.json").read_text()).get("weights") is None:
+            return None
         p = p / "weights"
     if not p.exists():
         raise FileNotFoundError(f"warm-start checkpoint {str(p)!r} does not exist (run `python -m minite sft`)")

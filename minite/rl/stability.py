@@ -233,9 +233,9 @@ def _undo_slice_weighting(loss_fn, rows: int):
 
 def _reference(arm, model_cfg, device, seed, init):
     """A frozen copy of the warm start (only when rl.beta > 0): the KL reference."""
-    from minite.rl.common import _engine_modules, init_weights_path
+    from minite.rl.common import _ckpt, _engine_modules
     Trainer = _engine_modules()[0]
-    return Trainer(arm, model_cfg, device=device, seed=seed, checkpoint=str(init_weights_path(init)) if init else None)
+    return Trainer(arm, model_cfg, device=device, seed=seed, checkpoint=_ckpt(init))
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
