@@ -99,6 +99,7 @@ class QWeight:
     scales: torch.Tensor
     global_scale: torch.Tensor
     dq: torch.Tensor
+    prepared: object = None      # minite.kernels' one-time re-layout (prepare_weight / prepare_experts)
 
     def tensor(self, e: int | None = None) -> nvfp4.NVFP4Tensor:
         if e is None:
@@ -109,8 +110,25 @@ class QWeight:
         return [self.tensor(e) for e in range(self.codes.shape[0])]
 
     def experts(self):
-        """The stacked form minite.kernels.grouped_nvfp4_gemm takes."""
+        """The stacked form minite.kernels.grouped_nvfp4_gemm takes (pre-decoded when prepared)."""
+        if self.prepared is not None:
+            return self.prepared
         return _kernels.NVFP4Experts(self.codes, self.scales, self.global_scale)
+
+    def gemm_weight(self):
+        """What the dense kernel GEMM takes: the prepared weight when there is one (same bits, faster)."""
+        return self.prepared if self.prepared is not None else self.tensor()
+
+    def prepare(self) -> None:
+        """minite.kernels' large-M re-layout (a pre-decoded fp16 copy on the Triton path; a no-op on CPU).
+        Worth it only for weights reused across many GEMMs: the per-update cache."""
+        if self.codes.dim() == 2:
+            fn = getattr(_kernels, "prepare_weight", None)
+            self.prepared = fn(self.tensor()) if fn is not None else None
+        else:
+            fn = getattr(_kernels, "prepare_experts", None)
+            self.prepared = fn(_kernels.NVFP4Experts(self.codes, self.scales, self.global_scale)) \
+                if fn is not None else None
 
 
 def _weight_tile(spec: QuantSpec, n: int) -> tuple[int, int]:
@@ -183,6 +201,8 @@ class WeightCache:
             return self._q
         with torch.no_grad(), st.timed("quantize"):
             q = quantize_weight(w, self.spec, self.shards)
+            if st.cache_per_update and st.gemm == "kernel" and w.is_cuda:
+                q.prepare()
         st.weight_quantizations += 1
         if st.cache_per_update:
             self._version, self._q = st.version, q
@@ -241,7 +261,7 @@ def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -
             return torch.matmul(_dq(a), qw.dq.T).to(out_dtype)
         # fp32 out, then one cast: exactly gemm.nvfp4_linear, the op the sampler runs (one rounding step
         # less would change ties: float64 -> bf16 directly is not float64 -> fp32 -> bf16)
-        return G.nvfp4_gemm(a, qw.tensor(), state.gemm, out_dtype=torch.float32).to(out_dtype)
+        return G.nvfp4_gemm(a, qw.gemm_weight(), state.gemm, out_dtype=torch.float32).to(out_dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
