@@ -52,6 +52,7 @@ class EngineRecipe:
     activations: QuantSpec | None = None
     backward_rounding: str = "nearest"         # trainer gradients: nearest | stochastic
     backward_rht: bool = False
+    hp_gemm: str = "bf16"                      # high-precision GEMMs (router, lm_head): bf16 | invariant
 
     @property
     def is_nvfp4(self) -> bool:
@@ -107,7 +108,7 @@ def _engine(d: dict) -> EngineRecipe:
         precision=d["precision"], gemm=d["gemm"], attention=d["attention"], non_gemm=d["non_gemm"],
         high_precision=tuple(d["high_precision"]), weights=_quant(d.get("weights")),
         activations=_quant(d.get("activations")), backward_rounding=bw.get("rounding", "nearest"),
-        backward_rht=bool(bw.get("rht", False)))
+        backward_rht=bool(bw.get("rht", False)), hp_gemm=d.get("hp_gemm", "bf16"))
 
 
 def _check(arm: Arm) -> None:

@@ -61,3 +61,22 @@ def nvfp4_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, act: QuantSpec, gemm: st
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*lead, w.shape[0])
+
+
+def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """A high-precision (BF16) linear: router, lm_head, and every linear of a BF16 engine.
+
+    ``invariant``: on log-prob paths (no autograd graph being built: the trainer's teacher-forced recompute,
+    every sampler forward) accumulate in float64 — BF16 x BF16 products are exact there and the sums carry
+    ~29 bits more than the BF16 result keeps — so a row's bits do not depend on how many rows share the call
+    (cuBLAS picks different kernels and split-K for M = 1 and M = 16384). With autograd on (the learner
+    update) it stays a cuBLAS BF16 GEMM: that path only feeds gradients, and float64 there would cost more
+    than the whole update on a 150k-vocab lm_head.
+    """
+    if invariant and not torch.is_grad_enabled():
+        y = torch.matmul(x.to(torch.float64), weight.to(torch.float64).T)
+        if bias is not None:
+            y = y + bias.to(torch.float64)
+        return y.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
