@@ -9,9 +9,13 @@ decodes the 8 nibbles of its own words: the 4 low nibbles are the step's even-K 
 odd-K values, put back in order with ``tl.join``. Values and K order are those of ``_triton_gemm`` (tests
 check bit equality in the interpreter; the first-use probe checks it on the GPU), so batch invariance holds.
 
-SWAP (variant "small", M <= 16): the weight tile is the dot's 64-row side and the tokens its 16-wide side,
-so no padded token rows are decoded and a 64-row weight slice per program streams the packed weight.
+SWAP + A_F16 (variant "small", M <= 16): the weight tile is the dot's 64-row side, decoded from words in the
+loop, and the tokens (pre-decoded fp16: 16 x K, tiny) its 16-wide side: no padded token rows are decoded and a
+64-row weight slice per program streams the packed weight.
 W_F16 (variant "w16w"): the weight is pre-decoded fp16 (``decode_f16``); only A is decoded in the loop.
+Triton 3.6 (the H200 image) fails in TritonGPUOptimizeDotOperands when a join/reshape-decoded tile is the
+dot's transposed second operand (run 4), so a decoded tile is only ever the first operand here ("decode32",
+which decodes both, builds with Triton 3.9 but not 3.6: kept for newer Triton, never a default).
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
                         GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, SCALE_WORDS: tl.constexpr = False, SWAP: tl.constexpr = False,
-                        W_F16: tl.constexpr = False):
+                        W_F16: tl.constexpr = False, A_F16: tl.constexpr = False):
     """a_rs / w_rs: row strides of the code words (int32 units; fp16 units for W_F16), a_ss / w_ss: of the
     scales (bytes, or int32 words with SCALE_WORDS); w_estride_*: per-expert strides in those units."""
     kw = K // 8   # int32 words per row
@@ -92,6 +96,7 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
     a_w = a_words + rows64[:, None] * a_rs + wi[None, :]
     w_w = w_words + cols64[:, None] * w_rs + wi[None, :]
     w_h = w_words + cols64[:, None] * w_rs + h[None, :]
+    a_h = a_words + rows64[:, None] * a_rs + h[None, :]
     a_s = a_scales + rows64[:, None] * a_ss + s_off[None, :]
     w_s = w_scales + cols64[:, None] * w_ss + s_off[None, :]
     s_step = BK // 64 if SCALE_WORDS else BK // 16
@@ -102,8 +107,12 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
     for k0 in range(0, K, BK):
         kmask = (k0 // 8 + wi) < kw
         i = k0 // BK
-        a_lo, a_hi = _decode_words(a_w + k0 // 8, a_s + i * s_step, s_shift[None, :],
-                                   rmask[:, None] & kmask[None, :])
+        if A_F16:  # a_words is the pre-decoded fp16 activation [M, kp] (a_rs = kp)
+            a_lo = tl.load(a_h + k0, mask=rmask[:, None], other=0.0)
+            a_hi = tl.load(a_h + (k0 + BK // 2), mask=rmask[:, None], other=0.0)
+        else:
+            a_lo, a_hi = _decode_words(a_w + k0 // 8, a_s + i * s_step, s_shift[None, :],
+                                       rmask[:, None] & kmask[None, :])
         if W_F16:
             w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
             w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
@@ -131,3 +140,4 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
         out = out + tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rows64[:, None] * N + cols64[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+

@@ -39,6 +39,9 @@ def launch_dense(a, wq, w_f16, out, bias, cfg: dict) -> torch.Tensor:
         w_arg = wq.codes.contiguous().view(torch.int32)
         w_rs = w_arg.stride(0)
     a_words = a_codes.view(torch.int32)
+    if variant == "small":  # tokens pre-decoded (M <= 16 rows: a few KB per K step)
+        from .gemm import decode_f16
+        a_words = decode_f16(a)
     a_s, w_s = _scale_view(a_sc, words), _scale_view(w_sc, words)
     tiles_m = (m + bm - 1) // bm
     grid = (tiles_m * ((n + bn - 1) // bn),)
@@ -47,7 +50,7 @@ def launch_dense(a, wq, w_f16, out, bias, cfg: dict) -> torch.Tensor:
         m, n, k, tiles_m, a_words.stride(0), w_rs, a_s.stride(0), w_s.stride(0), 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
         BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, SCALE_WORDS=words, SWAP=variant == "small",
-        W_F16=variant == "w16w", **cfg)
+        W_F16=variant == "w16w", A_F16=variant == "small", **cfg)
     return out
 
 

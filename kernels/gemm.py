@@ -117,7 +117,9 @@ class PreparedWeight:
 
 
 def decode_f16(t) -> torch.Tensor:
-    """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter)."""
+    """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter).
+    (An int32-word version of this pass compiled to more instructions on sm_90 than this byte one, which
+    already issues 8-byte code loads and 16-byte stores: not kept.)"""
     from . import _triton_gemm as tg
     r, k = t.shape
     kp = (k + tg.BK - 1) // tg.BK * tg.BK
@@ -144,8 +146,11 @@ SAFE_CONFIG = dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="
 # Variants: "decode" (both operands decoded in the loop from bytes: _triton_gemm), "small" (M <= 16: word
 # loads, weight tile on the 64-row side of the dot: streams the packed weight), "decode32" (word loads, both
 # decoded), "w16w" (weight pre-decoded fp16, A decoded from words), "f16" (both pre-decoded: plain fp16 GEMM).
-SMALL_CONFIG = dict(BM=16, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="small")
-NARROW_CONFIG = dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, variant="w16w")
+# 8 warps: two warpgroups split the 16 tokens (wgmma 64x8x16), 2 warps per scheduler to hide the decode's
+# latency (sm_90 SASS of the 4-warp form: ~720 instructions per K step on one warp per scheduler)
+SMALL_CONFIG = dict(BM=16, BN=64, GROUP_M=1, num_warps=8, num_stages=4, variant="small")
+# next candidate if SMALL_CONFIG is not proven bit-equal here: 32 weight rows (mma.sync m16n8k16), 2 programs/SM
+SMALL_ALT_CONFIG = dict(BM=16, BN=32, GROUP_M=1, num_warps=4, num_stages=4, variant="small")
 MID_CONFIG = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
 BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
 _verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_CONFIG on this GPU
@@ -156,24 +161,26 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
     to the same fp16 -> fp32 dot in the same K order, so row bits should not depend on the choice; that is
     not assumed: on first use each config is run beside SAFE_CONFIG on a probe problem and used only if
     the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M).
-    Why these: M <= 16 is memory-bound (stream 4.5 bits/weight); narrow N (<= 512) is memory-bound on A
-    at any M (decode A in the loop, read 4.5 bits/activation, at most 4 times); else the tensor cores
-    bound it and in-loop decoding would cost as much ALU time as they take: pre-decode both (f16)."""
+    Why these: M <= 16 is memory-bound (stream 4.5 bits/weight, decoded in the loop); above, the tensor
+    cores bound it and in-loop decoding would cost as much ALU time as they take: pre-decode both (f16).
+    Run 4: w16w (A decoded in the loop) lost to f16 even at N=128/512 (52-125 vs 100-382 TFLOP/s)."""
     if interpret:
         return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
     if m <= 16:
         return dict(SMALL_CONFIG)
     if m <= 64:
         return dict(SAFE_CONFIG)
-    if n <= 512:
-        return dict(NARROW_CONFIG)
-    return dict(MID_CONFIG if m <= 1024 else BIG_CONFIG)
+    return dict(MID_CONFIG if m <= 1024 or n <= 512 else BIG_CONFIG)
 
 
 def config_status() -> dict:
     """{config name: proven bit-equal to SAFE_CONFIG} for the configs probed so far in this process."""
-    return {f"{dict(k[1])['variant']}:{dict(k[1])['BM']}x{dict(k[1])['BN']}w{dict(k[1])['num_warps']}"
-            f"s{dict(k[1])['num_stages']}": v for k, v in _verified.items()}
+    def name(k):
+        if isinstance(k[0], str):  # ("grouped-f16", device): grouped f16 vs grouped decode loop
+            return k[0]
+        c = dict(k[1])
+        return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
+    return {name(k): v for k, v in _verified.items()}
 
 
 def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1088) -> bool:
@@ -208,7 +215,13 @@ def _pick_config(m: int, n: int, device) -> dict:
     cfg = _configs(m, n, device.type == "cpu")
     if device.type == "cpu" or cfg == SAFE_CONFIG:
         return cfg
-    return cfg if _proven(cfg, device) else dict(SAFE_CONFIG)
+    cands = (cfg,)
+    if cfg == SMALL_CONFIG:  # narrow weights: 32-row programs first (twice the programs: 2048 rows -> 64)
+        cands = (SMALL_ALT_CONFIG, SMALL_CONFIG) if n < 4096 else (SMALL_CONFIG, SMALL_ALT_CONFIG)
+    for c in cands:
+        if _proven(c, device):
+            return dict(c)
+    return dict(SAFE_CONFIG)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -253,18 +266,48 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     return out
 
 
-def _grouped_config(interpret: bool, prepared: bool) -> dict:
-    """One config for every M (batch invariance then needs no proof): pre-decoded experts -> f16 (A decoded
-    by a pass, then a plain fp16 grouped GEMM); packed experts -> word-load decode loop."""
+def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, device=None) -> dict:
+    """Pre-decoded experts -> f16 for every M (A decoded by a pass, then a plain fp16 grouped GEMM). Packed
+    experts -> the byte decode loop, or, once M >= 64 rows per expert on average, f16 with the experts
+    decoded on this call (run 4: 359 vs 85 TFLOP/s at 16384 tokens) -- the latter only where a probe proved
+    it bit-equal to the decode loop on this GPU (so a row's bits do not depend on M)."""
     if interpret:
-        return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode32")
-    return dict(GROUPED_F16_CONFIG if prepared else GROUPED_CONFIG)
+        return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode")
+    if prepared:
+        return dict(GROUPED_F16_CONFIG)
+    if m >= 64 * e and device is not None and _grouped_f16_proven(device):
+        return dict(GROUPED_F16_CONFIG)
+    return dict(GROUPED_FALLBACK)
 
 
-GROUPED_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=3, variant="decode32")
 GROUPED_F16_CONFIG = dict(BM=128, BN=256, num_warps=8, num_stages=4, variant="f16")
 GROUPED_FALLBACK = dict(BM=64, BN=64, num_warps=4, num_stages=4, variant="decode")
 _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then GROUPED_FALLBACK: same K order)
+
+
+def _grouped_f16_proven(device) -> bool:
+    """Probe (once per GPU): grouped f16 vs the grouped decode loop on a ragged problem with empty groups."""
+    key = ("grouped-f16", device.index)
+    if key in _verified:
+        return _verified[key]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    from minite.kernels.quantize import quantize
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    ok = False
+    try:
+        counts, n, k = [37, 0, 200, 63], 384, 1088
+        offs = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))], device=device)
+        a = quantize((torch.randn(offs[-1].item(), k, generator=g) * 3).to(device), scaling="row")
+        ex = stack_experts([quantize(torch.randn(n, k, generator=g).to(device)) for _ in counts])
+        got = _triton_grouped(a, ex, offs, torch.float32, GROUPED_F16_CONFIG)
+        ok = bool(torch.equal(got, _triton_grouped(a, ex, offs, torch.float32, GROUPED_FALLBACK)))
+    except Exception as exc:
+        import warnings
+        warnings.warn(f"minite.kernels: grouped f16 path unusable here ({type(exc).__name__}: {str(exc)[:200]})",
+                      RuntimeWarning, stacklevel=2)
+    _verified[key] = ok
+    return ok
 
 
 def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
@@ -290,7 +333,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
-    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None)
+    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
@@ -324,7 +367,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
         if config or dev.type == "cpu":
             raise
-        _grouped_broken.add(tuple(sorted(_grouped_config(False, ex.f16 is not None).items())))
+        _grouped_broken.add(tuple(sorted(_grouped_config(False, ex.f16 is not None, m, e, dev).items())))
         import warnings
         warnings.warn(f"minite.kernels: grouped config {cfg} unusable here ({type(exc).__name__}); using "
                       f"{GROUPED_FALLBACK}", RuntimeWarning, stacklevel=2)

@@ -29,13 +29,12 @@ def compile_one(fn, types, consts, num_warps, num_stages, div16=()):
 def configs():
     from . import gemm as G
     yield "dense", dict(G.SAFE_CONFIG)
-    for c in (G.SMALL_CONFIG, G.NARROW_CONFIG, G.MID_CONFIG, G.BIG_CONFIG):
+    for c in (G.SMALL_CONFIG, G.SMALL_ALT_CONFIG, G.MID_CONFIG, G.BIG_CONFIG):
         yield "dense", dict(c)
     from .bench import SWEEPS, GROUPED_SWEEP
     for cfgs in SWEEPS.values():
         for c in cfgs:
             yield "dense", dict(c)
-    yield "grouped", dict(G.GROUPED_CONFIG)
     yield "grouped", dict(G.GROUPED_F16_CONFIG)
     yield "grouped", dict(G.GROUPED_FALLBACK)
     for c in GROUPED_SWEEP:
@@ -64,7 +63,10 @@ def main() -> int:
             types = dict(a_words="*i32", a_scales="*i32", w_words=wtype, w_scales="*i32", ga_ptr="*fp32",
                          gw_ptr="*fp32", bias_ptr="*fp32", out_ptr="*bf16", tile_expert_ptr="*i32",
                          tile_row_ptr="*i32", offsets_ptr="*i32")
-            consts = dict(common, SCALE_WORDS=True, SWAP=variant == "small", W_F16=variant == "w16w")
+            consts = dict(common, SCALE_WORDS=True, SWAP=variant == "small", W_F16=variant == "w16w",
+                          A_F16=variant == "small")
+            if variant == "small":
+                types["a_words"] = "*fp16"
             div = ("a_rs", "w_rs", "K", "N", "w_estride_c")
         else:
             fn = tg.nvfp4_mm_kernel

@@ -223,7 +223,8 @@ def test_word_variants_bit_equal_interpreter(variant, bm, bn, k):
 @pytest.mark.parametrize("variant", ("decode32", "f16", "w16w", "decode"))
 @pytest.mark.parametrize("k", (160, 192))
 def test_grouped_variants_bit_equal_interpreter(variant, k):
-    """Grouped: every variant (packed or prepared experts) gives the bits of the default path."""
+    """Grouped: every variant (packed or prepared experts) gives the bits of the default path (decode32:
+    interpreter only, Triton 3.6 cannot build it)."""
     from minite.kernels import prepare_experts
     ws = [_q(24, k, "tensor", seed=i) for i in range(4)]
     offs = torch.tensor([0, 9, 9, 30, 41])
@@ -248,6 +249,24 @@ def test_config_choice_by_shape():
     assert G._configs(1, 8192, False)["variant"] == "small"
     assert G._configs(16, 4096, False)["variant"] == "small"
     assert G._configs(64, 4096, False) == G.SAFE_CONFIG
-    assert G._configs(4096, 128, False)["variant"] == "w16w"
+    assert G._configs(4096, 128, False) == G.MID_CONFIG
     assert G._configs(1024, 8192, False) == G.MID_CONFIG
     assert G._configs(16384, 8192, False) == G.BIG_CONFIG
+
+
+
+def test_small_m_candidates_fall_back_in_order(monkeypatch):
+    """M <= 16: SMALL_CONFIG if proven bit-equal, else SMALL_ALT_CONFIG, else SAFE_CONFIG (no GPU: the
+    probe verdicts are stubbed)."""
+    from minite.kernels import gemm as G
+    dev = torch.device("cuda", 0)
+    for verdicts, want in (({"SMALL": True}, G.SMALL_CONFIG), ({"ALT": True}, G.SMALL_ALT_CONFIG),
+                           ({}, G.SAFE_CONFIG)):
+        names = {id(G.SMALL_CONFIG): "SMALL", id(G.SMALL_ALT_CONFIG): "ALT"}
+
+        def proven(c, d, v=verdicts):
+            return any(v.get(k) for k, cfg in (("SMALL", G.SMALL_CONFIG), ("ALT", G.SMALL_ALT_CONFIG)) if c == cfg)
+        monkeypatch.setattr(G, "_proven", proven)
+        assert G._pick_config(1, 8192, dev) == want, names
+    monkeypatch.setattr(G, "_proven", lambda c, d: True)
+    assert G._pick_config(16, 512, dev) == G.SMALL_ALT_CONFIG  # narrow N: more, smaller programs first
