@@ -15,6 +15,7 @@ import matplotlib
 if "ipykernel" not in sys.modules:          # files only, never a display (a notebook keeps its inline backend)
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
@@ -95,6 +96,7 @@ def _log_positive(ax, df: pd.DataFrame, y: str, hue_colors: dict, ylabel: str, s
             ax.lines[-1].set_label(label)
     ax.set_yscale("log")
     ax.set(xlabel="RL step", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def drift(stability: pd.DataFrame, out_stem=None, summaries: dict | None = None, smooth: int = 5,
@@ -147,6 +149,7 @@ def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None = None, out_
         ax.plot(g["step"], g[rcol].rolling(smooth, min_periods=1).mean(), color=colors[arm], lw=1.6,
                 label=ARM_LABELS.get(arm, arm))
     ax.set(xlabel="RL step", ylabel="mean reward", title="Training reward")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=7)
     if have_evals:
         ax = axes[0, 1]
@@ -154,7 +157,10 @@ def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None = None, out_
         step = column(evals, "step")
         sns.lineplot(data=evals.sort_values(step), x=step, y=metric, hue="arm", palette=colors, marker="o",
                      ax=ax, legend=False)
-        ax.set(xlabel="checkpoint step", ylabel=metric, title="Held-out accuracy")
+        ks = evals["k"].dropna().unique() if "k" in evals else []
+        label = f"mean@{int(ks[0])} accuracy" if metric == "mean_at_k" and len(ks) == 1 else metric
+        ax.set(xlabel="checkpoint step", ylabel=label, title="Held-out accuracy (sampler engine)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return save(fig, out_stem, footer)
 
 
