@@ -28,8 +28,11 @@ Aggregation: ``agg="token-mean"`` (default, DAPO): sum of L_t over every respons
 by the number of response tokens, so long responses weigh per token, not per sequence.
 ``agg="seq-mean-token-mean"`` (the original GRPO objective): mean over each response's tokens, then mean over
 responses. Under micro-batching the trainer calls the loss per slice: when the batch carries
-``loss_denominator`` (the whole batch's token count, per row) the slice returns sum / denominator so the
-micro-batch losses add up to the full-batch token mean (see ``Trainer.update``).
+``loss_denominator`` (the whole batch's token count, or sequence count for seq-mean, per row) the slice
+returns sum / denominator, its exact share of the full-batch loss. ``Trainer.update`` weights a custom
+slice loss by the slice's share of rows, which the RL loop divides back out
+(``minite.rl.stability._undo_slice_weighting``), so micro-batching never changes the objective
+(tests/test_rl_loop.py::test_micro_batching_gives_the_full_batch_token_mean).
 
 Alignment: the trainer's ``logprobs`` are [B, T-1] for tokens 1..T-1; ``loss_mask`` is [B, T] on token
 positions, so the mask for the log-probs is ``loss_mask[:, 1:]``. All other per-token tensors in the batch
