@@ -9,7 +9,8 @@ def _layers():
     rows = []
     for layer in range(3):
         for op in ("attn_out", "router_logits", "moe_out", "residual"):
-            rows.append({"layer": layer, "op": op, "metric": "rel_err", "value": 0.0 if layer == 0 else 10.0 ** -layer})
+            value = 0.0 if layer == 0 else 10.0 ** -layer
+            rows.append({"layer": layer, "op": op, "metric": "rel_err", "value": value})
         rows.append({"layer": layer, "op": "topk", "metric": "topk_disagree", "value": 0.1})
     rows.append({"layer": 3, "op": "logits", "metric": "rel_err", "value": 3e-3})
     return pd.DataFrame(rows)

@@ -133,7 +133,8 @@ def test_compare_topk_is_a_set_difference_and_first_divergence_order():
                (0, "attn_out"): torch.ones(B, T, 4) * (1 + 2 ** -9), (0, "moe_out"): torch.ones(B, T, 4) * 1.1,
                (1, "logits"): torch.ones(B, T, 8) * 2}
     tab = compare(t_store, s_store, pos)
-    get = lambda layer, op, metric: float(tab[(tab.layer == layer) & (tab.op == op) & (tab.metric == metric)].value.iloc[0])  # noqa: E731,E501
+    def get(layer, op, metric):
+        return float(tab[(tab.layer == layer) & (tab.op == op) & (tab.metric == metric)].value.iloc[0])
     assert get(0, "topk", "topk_disagree") == pytest.approx(0.25)
     assert get(0, "attn_out", "rel_err") == pytest.approx(2 ** -9)
     assert get(0, "moe_out", "rel_err") == pytest.approx(0.1)
