@@ -9,7 +9,10 @@ bits than the fp32/BF16 result keeps, so the rounded output does not depend on r
 many masked keys ride along (a difference needs a float64 result within 2**-53 of a rounding boundary).
 
 It is registered in transformers' ``AttentionInterface`` as ``"minite_invariant"`` (see
-``register_attention``) and called directly by the sampler's decode loop.
+``register_attention``) and called directly by the sampler's decode loop. Invariance is needed where
+log-probs are compared — the trainer's teacher-forced recompute and every sampler forward, all without an
+autograd graph. When autograd is recording (the learner update) the adapter hands over to transformers' SDPA:
+that path only feeds gradients, and float64 attention there would dominate a 2048-token update.
 """
 from __future__ import annotations
 
@@ -47,6 +50,10 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 def hf_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers AttentionInterface adapter (same signature and return as its sdpa/eager functions)."""
+    if torch.is_grad_enabled():
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     if dropout:
         raise ValueError("minite_invariant attention has no dropout (RL log-prob paths run without it)")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -33,6 +33,7 @@ from torch import nn
 from minite import nvfp4
 from minite.engines import gemm as G
 from minite.engines.arms import EngineRecipe, QuantSpec
+from minite.engines.gemm import hp_linear
 
 try:
     from minite import kernels as _kernels
@@ -323,6 +324,15 @@ class NVFP4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4"
 
 
+def _topk_route(router, router_logits):
+    """HF Qwen3MoeTopKRouter's routing on given logits: fp32 softmax, top-k, optional renormalisation."""
+    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value.to(router_logits.dtype), router_indices
+
+
 def make_router(base_cls):
     """A subclass of HF's ``Qwen3MoeTopKRouter`` whose logits GEMM is NVFP4 (same ``weight`` Parameter,
     same softmax / top-k / renormalisation as upstream; isinstance checks and output recorders still see
@@ -339,11 +349,32 @@ def make_router(base_cls):
 
         def forward(self, hidden_states):
             hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-            router_logits = nvfp4_linear_fn(hidden_states, self.weight, self.quantized(), self.state)
-            router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-            router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-            return router_logits, router_top_value.to(router_logits.dtype), router_indices
+            return _topk_route(self, nvfp4_linear_fn(hidden_states, self.weight, self.quantized(), self.state))
 
     return NVFP4TopKRouter
+
+
+def make_invariant_router(base_cls):
+    """HF's router with its BF16 logits GEMM batch-invariant on log-prob paths (``gemm.hp_linear``)."""
+
+    class InvariantTopKRouter(base_cls):
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            return _topk_route(self, hp_linear(hidden_states, self.weight, True))
+
+    return InvariantTopKRouter
+
+
+class InvariantLinear(nn.Linear):
+    """A BF16 ``nn.Linear`` (lm_head) whose GEMM is batch-invariant on log-prob paths (``gemm.hp_linear``)."""
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear) -> "InvariantLinear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight, new.bias = lin.weight, lin.bias
+        return new
+
+    def forward(self, x):
+        return hp_linear(x, self.weight, True, self.bias)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from minite import nvfp4
 from minite.engines.arms import EngineRecipe, QuantSpec
-from minite.engines.gemm import nvfp4_gemm, nvfp4_linear, quantize_activation
+from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_activation
 
 try:
     from minite import kernels as _kernels
@@ -148,7 +148,7 @@ def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | 
     calibration the activation is left unquantized (ModelOpt calibrates with input quantizers collecting,
     not quantizing): x @ dequantize(W)^T in BF16."""
     if not lin.quantized:
-        return F.linear(x, lin.weight)
+        return hp_linear(x, lin.weight, recipe.hp_gemm == "invariant")
     if calib is not None:
         calib.record(lin.name, x.reshape(-1, x.shape[-1]), valid)
         return F.linear(x, nvfp4.dequantize(lin.q).to(x.dtype))

@@ -74,6 +74,8 @@ class Trainer:
         self.qstate.cuda = self.device.type == "cuda"
         if r.is_nvfp4:
             self._swap_modules()
+        if r.hp_gemm == "invariant":
+            self._invariant_hp_modules()
         self.model.to(self.device)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
@@ -108,6 +110,22 @@ class Trainer:
             if self.model_cfg.get("tie_word_embeddings"):
                 raise ValueError("an NVFP4 lm_head with tied embeddings is not supported; keep lm_head BF16")
             self.model.lm_head = self._linear(self.model.lm_head)
+
+    def _invariant_hp_modules(self) -> None:
+        """High-precision router / lm_head: batch-invariant BF16 GEMMs on log-prob paths (arm hp_gemm)."""
+        r = self.arm.trainer
+        layers = self.model.model.layers
+        router_cls = None
+        for i, layer in enumerate(layers):
+            gate = layer.mlp.gate
+            if r.keeps_high_precision("router", i, len(layers)) and not hasattr(gate, "attach"):
+                router_cls = router_cls or Q.make_invariant_router(type(gate))
+                new = router_cls(self.hf_config)
+                new.weight = gate.weight
+                layer.mlp.gate = new
+        if r.keeps_high_precision("lm_head") and isinstance(self.model.lm_head, torch.nn.Linear) \
+                and type(self.model.lm_head) is torch.nn.Linear:
+            self.model.lm_head = Q.InvariantLinear.from_linear(self.model.lm_head)
 
     def _linear(self, lin):
         if self.arm.trainer.gemm == "te":
