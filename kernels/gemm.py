@@ -152,6 +152,7 @@ SMALL_CONFIG = dict(BM=16, BN=64, GROUP_M=1, num_warps=8, num_stages=4, variant=
 # next candidate if SMALL_CONFIG is not proven bit-equal here: 32 weight rows (mma.sync m16n8k16), 2 programs/SM
 SMALL_ALT_CONFIG = dict(BM=16, BN=32, GROUP_M=1, num_warps=4, num_stages=4, variant="small")
 MID_CONFIG = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
+TALL_CONFIG = dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, variant="f16")
 BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
 _verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_CONFIG on this GPU
 
@@ -170,7 +171,10 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
         return dict(SMALL_CONFIG)
     if m <= 64:
         return dict(SAFE_CONFIG)
-    return dict(MID_CONFIG if m <= 1024 or n <= 512 else BIG_CONFIG)
+    cfg = MID_CONFIG if m <= 1024 or n <= 512 else BIG_CONFIG
+    if -(-m // 128) * -(-n // 128) < 132:  # fewer 128x128 tiles than SMs (router, M=128): halve the rows
+        cfg = TALL_CONFIG
+    return dict(cfg)
 
 
 def config_status() -> dict:

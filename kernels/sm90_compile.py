@@ -29,7 +29,7 @@ def compile_one(fn, types, consts, num_warps, num_stages, div16=()):
 def configs():
     from . import gemm as G
     yield "dense", dict(G.SAFE_CONFIG)
-    for c in (G.SMALL_CONFIG, G.SMALL_ALT_CONFIG, G.MID_CONFIG, G.BIG_CONFIG):
+    for c in (G.SMALL_CONFIG, G.SMALL_ALT_CONFIG, G.MID_CONFIG, G.TALL_CONFIG, G.BIG_CONFIG):
         yield "dense", dict(c)
     from .bench import SWEEPS, GROUPED_SWEEP
     for cfgs in SWEEPS.values():

@@ -249,7 +249,8 @@ def test_config_choice_by_shape():
     assert G._configs(1, 8192, False)["variant"] == "small"
     assert G._configs(16, 4096, False)["variant"] == "small"
     assert G._configs(64, 4096, False) == G.SAFE_CONFIG
-    assert G._configs(4096, 128, False) == G.MID_CONFIG
+    assert G._configs(16384, 512, False) == G.MID_CONFIG
+    assert G._configs(4096, 128, False) == G.TALL_CONFIG  # 32 tiles of 128x128 < 132 SMs
     assert G._configs(1024, 8192, False) == G.MID_CONFIG
     assert G._configs(16384, 8192, False) == G.BIG_CONFIG
 
