@@ -13,7 +13,8 @@ Start from ``naive_te_nvfp4`` and switch causes, one at a time, to their ``minit
                     every module both engines quantize. Every one of the 32 subsets is a valid arm.
     activations     per-token (row) activation scaling with formula te in both engines, instead of the
                     trainer's per-tensor amax and the sampler's static calibrated vLLM scales.
-    gemm            the same batch-invariant W4A4 kernel in both engines (instead of emulated BF16 GEMMs).
+    gemm            the same batch-invariant W4A4 kernel in both engines (instead of emulated BF16 GEMMs), and
+                    batch-invariant BF16 GEMMs for the high-precision modules (``hp_gemm``).
     high_precision  the same high-precision exceptions in both engines (the router stays BF16 in the trainer).
     non_gemm        the same non-GEMM ops (upstream transformers numerics in the sampler too) and the same
                     batch-invariant attention in both engines.
@@ -67,6 +68,8 @@ def cause_overrides(causes: frozenset[str] | set[str], aligned: Arm | None = Non
         ch["sampler.activations"] = a["sampler"]["activations"]
     if "gemm" in causes:
         ch["trainer.gemm"], ch["sampler.gemm"] = a["trainer"]["gemm"], a["sampler"]["gemm"]
+        for role in ("trainer", "sampler"):
+            ch[f"{role}.hp_gemm"] = a[role].get("hp_gemm", "bf16")
     if "high_precision" in causes:
         ch["trainer.high_precision"] = a["trainer"]["high_precision"]
         ch["sampler.high_precision"] = a["sampler"]["high_precision"]
