@@ -51,6 +51,7 @@ validate(config, "../schemas/config.schema.yaml")
 PROFILE = config["profile"]
 RESULTS = config.get("results") or f"results/{PROFILE}"
 ARMS = list(config["arms"])
+# The interpreter stays out of rule params on purpose: a different venv path must not rerun every job.
 PY = config["python"] or sys.executable
 FIGS = f"{RESULTS}/figures"
 LOGS = f"{RESULTS}/logs"

@@ -13,10 +13,12 @@ def diagnose_inputs(wildcards):
     return files
 
 
+DIAGNOSE_INIT = f"--checkpoint {RESULTS}/sft" if job("diagnose").get("init_from_sft") else ""
+
+
 def diagnose_cmd(attribution: str) -> str:
-    init = f" --checkpoint {RESULTS}/sft" if job("diagnose").get("init_from_sft") else ""
-    return ("OMP_NUM_THREADS={threads} {PY} -m minite diagnose --arm {wildcards.arm} {params.args}" + init
-            + f" --attribution {attribution} --out {{params.out}} > {{log}} 2>&1")
+    return ("OMP_NUM_THREADS={threads} {PY} -m minite diagnose --arm {wildcards.arm} {params.args} {params.init}"
+            f" --attribution {attribution} --out {{params.out}} > {{log}} 2>&1")
 
 
 rule diagnose:
@@ -27,6 +29,7 @@ rule diagnose:
         layers=f"{RESULTS}/{{arm}}/diagnostics/layers.csv",
     params:
         args=job_args("diagnose"),
+        init=DIAGNOSE_INIT,
         out=lambda wc: f"{RESULTS}/{wc.arm}/diagnostics",
     log:
         f"{LOGS}/diagnose/{{arm}}.log",
@@ -48,6 +51,7 @@ rule diagnose_with_attribution:
         arm=re.escape(ATTRIBUTION_ARM),
     params:
         args=job_args("diagnose"),
+        init=DIAGNOSE_INIT,
         out=lambda wc: f"{RESULTS}/{wc.arm}/diagnostics",
     log:
         f"{LOGS}/diagnose/{{arm}}.log",

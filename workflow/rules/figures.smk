@@ -10,11 +10,14 @@ rule figure_drift:
         pdf=f"{FIGS}/drift.pdf",
     params:
         arms=" ".join(ARMS),
+        results=RESULTS,
+        smooth=config["smooth"],
+        stem=f"{FIGS}/drift",
     log:
         f"{LOGS}/figures/drift.log",
     shell:
-        "{PY} -m minite.report figure drift --results {RESULTS} --arms {params.arms}"
-        " --smooth {config[smooth]} --out {FIGS}/drift > {log} 2>&1"
+        "{PY} -m minite.report figure drift --results {params.results} --arms {params.arms}"
+        " --smooth {params.smooth} --out {params.stem} > {log} 2>&1"
 
 
 rule figure_reward_eval:
@@ -26,11 +29,14 @@ rule figure_reward_eval:
         pdf=f"{FIGS}/reward_eval.pdf",
     params:
         arms=" ".join(ARMS),
+        results=RESULTS,
+        smooth=config["smooth"],
+        stem=f"{FIGS}/reward_eval",
     log:
         f"{LOGS}/figures/reward_eval.log",
     shell:
-        "{PY} -m minite.report figure reward --results {RESULTS} --arms {params.arms}"
-        " --smooth {config[smooth]} --out {FIGS}/reward_eval > {log} 2>&1"
+        "{PY} -m minite.report figure reward --results {params.results} --arms {params.arms}"
+        " --smooth {params.smooth} --out {params.stem} > {log} 2>&1"
 
 
 rule figure_kernels:
@@ -39,10 +45,13 @@ rule figure_kernels:
     output:
         png=report(f"{FIGS}/kernels.png", caption="../report/kernels.rst", category="Kernels"),
         pdf=f"{FIGS}/kernels.pdf",
+    params:
+        results=RESULTS,
+        stem=f"{FIGS}/kernels",
     log:
         f"{LOGS}/figures/kernels.log",
     shell:
-        "{PY} -m minite.report figure kernels --results {RESULTS} --out {FIGS}/kernels > {log} 2>&1"
+        "{PY} -m minite.report figure kernels --results {params.results} --out {params.stem} > {log} 2>&1"
 
 
 rule figure_layers:
@@ -53,11 +62,14 @@ rule figure_layers:
         png=report(f"{FIGS}/layers_{{arm}}.png", caption="../report/layers.rst", category="Diagnostics",
                    subcategory="{arm}"),
         pdf=f"{FIGS}/layers_{{arm}}.pdf",
+    params:
+        results=RESULTS,
+        stem=lambda wc: f"{FIGS}/layers_{wc.arm}",
     log:
         f"{LOGS}/figures/layers_{{arm}}.log",
     shell:
-        "{PY} -m minite.report figure layers --results {RESULTS} --arms {wildcards.arm}"
-        " --out {FIGS}/layers_{wildcards.arm} > {log} 2>&1"
+        "{PY} -m minite.report figure layers --results {params.results} --arms {wildcards.arm}"
+        " --out {params.stem} > {log} 2>&1"
 
 
 rule figure_attribution:
@@ -66,8 +78,12 @@ rule figure_attribution:
     output:
         png=report(f"{FIGS}/attribution.png", caption="../report/attribution.rst", category="Diagnostics"),
         pdf=f"{FIGS}/attribution.pdf",
+    params:
+        results=RESULTS,
+        arm=ATTRIBUTION_ARM,
+        stem=f"{FIGS}/attribution",
     log:
         f"{LOGS}/figures/attribution.log",
     shell:
-        "{PY} -m minite.report figure attribution --results {RESULTS} --arms {ATTRIBUTION_ARM}"
-        " --out {FIGS}/attribution > {log} 2>&1"
+        "{PY} -m minite.report figure attribution --results {params.results} --arms {params.arm}"
+        " --out {params.stem} > {log} 2>&1"

@@ -29,11 +29,14 @@ rule throughput_table_files:
         tex=f"{RESULTS}/throughput_table.tex",
     params:
         arms=" ".join(ARMS),
+        results=RESULTS,
+        profile=PROFILE,
+        prefix=f"{RESULTS}/throughput_table",
     log:
         f"{LOGS}/throughput_table.log",
     shell:
-        "{PY} -m minite.report table --results {RESULTS} --arms {params.arms} --profile {PROFILE}"
-        " --out {RESULTS}/throughput_table > {log} 2>&1"
+        "{PY} -m minite.report table --results {params.results} --arms {params.arms} --profile {params.profile}"
+        " --out {params.prefix} > {log} 2>&1"
 
 
 rule figure_throughput:
@@ -44,8 +47,10 @@ rule figure_throughput:
         pdf=f"{FIGS}/throughput.pdf",
     params:
         arms=" ".join(ARMS),
+        results=RESULTS,
+        stem=f"{FIGS}/throughput",
     log:
         f"{LOGS}/figures/throughput.log",
     shell:
-        "{PY} -m minite.report figure throughput --results {RESULTS} --arms {params.arms}"
-        " --out {FIGS}/throughput > {log} 2>&1"
+        "{PY} -m minite.report figure throughput --results {params.results} --arms {params.arms}"
+        " --out {params.stem} > {log} 2>&1"

@@ -22,9 +22,10 @@ rule notebook:
     wildcard_constraints:
         nb="|".join(NOTEBOOKS),
     params:
-        arms=lambda wc: "[" + ", ".join(ARMS) + "]",
+        arms="[" + ", ".join(ARMS) + "]",
+        results=RESULTS,
     log:
         f"{LOGS}/notebooks/{{nb}}.log",
     shell:
-        "{PY} -m papermill {input.nb} {output} -k python3 -p results_dir {RESULTS} -y 'arms: {params.arms}'"
+        "{PY} -m papermill {input.nb} {output} -k python3 -p results_dir {params.results} -y 'arms: {params.arms}'"
         " --no-progress-bar > {log} 2>&1"
