@@ -3,6 +3,7 @@
 # The profile is chosen by the config: `profile` from --configfile / --config (default "cpu"). Its
 # workflow/profiles/<profile>/pipeline.yaml is the base; whatever --configfile / --config set is merged on
 # top (so `--config arms=[bf16]` overrides the profile's arms), then the result is validated.
+import mimetypes
 import re
 import shlex
 import sys
@@ -12,6 +13,7 @@ import yaml
 from snakemake.utils import update_config, validate
 
 REPO = Path(workflow.basedir)
+mimetypes.add_type("application/x-ipynb+json", ".ipynb")  # executed notebooks in the --report
 
 
 def _coerce(value):
