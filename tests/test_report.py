@@ -169,3 +169,49 @@ def test_cli_table_and_figure(results):
     bad = subprocess.run(py + ["table", "--results", str(results), "--arms", "bf16", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def _diagnostics(results, arms=ARMS):
+    for arm in arms:
+        d = results / arm / "diagnostics"
+        write_json(d / "mismatch.json", {"k1": 1e-4, "k3": 1e-4, "max_abs_dp": 0.01, "n_tokens": 64})
+        pd.DataFrame([{"layer": layer, "op": op, "metric": "rel_err", "value": 0.0 if arm == "minite_nvfp4" else 1e-3}
+                      for layer in (0, 1) for op in ("attn_out", "moe_out")]
+                     + [{"layer": -1, "op": "logits", "metric": "rel_err", "value": 2e-3}]).to_csv(
+            d / "layers.csv", index=False)
+    causes = ["weights", "activations"]
+    pd.DataFrame([{"cause": c, "order": o, "k3_before": 2e-4 if i == 0 else 1e-4, "k3_after": 1e-4 if i == 0 else 0.0,
+                   "delta": 1e-4, "share": 0.5} for o in ("forward", "reverse", "shapley") for i, c in enumerate(causes)]
+                 ).to_csv(results / "naive_te_nvfp4" / "diagnostics" / "attribution.csv", index=False)
+
+
+def test_diagnostics_figures_reuse_the_diagnostics_helpers(results):
+    from minite.report import diagnostics
+    _diagnostics(results)
+    diag = load.load_diagnostics(results, ARMS)
+    assert "attribution" in diag["naive_te_nvfp4"] and "attribution" not in diag["bf16"]
+    out = results / "figures"
+    diagnostics.layers(diag, "minite_nvfp4", out / "layers_minite_nvfp4")
+    diagnostics.attribution(diag, out / "attribution")
+    assert _is_image(out / "layers_minite_nvfp4.png", b"\x89PNG") and _is_image(out / "attribution.pdf", b"%PDF")
+    with pytest.raises(load.ResultError, match="attribution"):
+        diagnostics.attribution({a: d for a, d in diag.items() if a != "naive_te_nvfp4"}, out / "none")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", ["drift", "throughput", "diagnostics"])
+def test_notebooks_execute_on_results(results, nb):
+    """Each notebook runs top to bottom on a results directory (papermill, as the pipeline runs it)."""
+    import nbformat
+    papermill = pytest.importorskip("papermill")
+    _diagnostics(results)
+    out = results / "notebooks" / f"{nb}.ipynb"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    papermill.execute_notebook(str(repo / "notebooks" / f"{nb}.ipynb"), str(out), kernel_name="python3",
+                               parameters={"results_dir": str(results), "arms": ARMS}, progress_bar=False,
+                               cwd=str(results))
+    cells = nbformat.read(out, 4).cells
+    outputs = [o for c in cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2   # it plotted
