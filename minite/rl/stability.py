@@ -155,7 +155,8 @@ def _run(arm, model_cfg, cfg, task, out, *, steps, init, seed, device, ckpt_ever
                "lead_steps": lead_steps(alarm.alarm_step, collapse.collapse_step),
                **_final_rewards(jsonl), "reward_peak_ewma": collapse.peak,
                "drift": alarm.state_dict(), "collapse": collapse.state_dict(), "run_id": run_id,
-               "definitions": {"alarm": "one-sided CUSUM on log(k3) vs warm-up median/MAD (minite.rl.drift)",
+               "definitions": {"alarm": f"one-sided CUSUM on log({rl['drift_metric']}) vs its warm-up median/MAD "
+                                        f"(minite.rl.drift; warmup {alarm.warmup}, kappa {alarm.kappa}, h {alarm.h})",
                                "collapse": f"reward EWMA(alpha={collapse.alpha}) < {collapse.frac} x peak",
                                "lead_steps": "collapse_step - alarm_step"},
                "provenance": provenance(device)}
