@@ -30,8 +30,11 @@ for st in "$@"; do
     gputests)    stage gputests 90 python3 -m pytest -q -x -m gpu tests/ ;;
     tiny)        stage tiny 70 bash -c "python3 -m minite bench-learner --arm minite_nvfp4 --model tiny --device cuda --steps 2 --warmup 1 --out /tmp/s/bl.json && python3 -m minite diagnose --arm minite_nvfp4 --model tiny --device cuda --attribution off --out /tmp/s/diag && cat /tmp/s/diag/mismatch.json" ;;
     throughput)  stage throughput 210 $SMK throughput_table ;;
-    diagnostics) stage diagnostics 170 $SMK diagnostics ;;
-    stability)   stage stability 200 $SMK stability ;;
+    sft)         stage sft 80 $SMK results/h200/sft/sft.json ;;
+    diag_ab)     stage diag_ab 60 $SMK results/h200/minite_nvfp4/diagnostics/mismatch.json results/h200/bf16/diagnostics/mismatch.json ;;
+    diagnostics) stage diagnostics 120 $SMK diagnostics ;;
+    stability)   stage stability 180 $SMK stability ;;
+    evals)       stage evals 60 $SMK evals ;;
     all)         stage all 120 $SMK all ;;
     *) echo "unknown stage $st" ;;
   esac
