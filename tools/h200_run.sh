@@ -32,9 +32,9 @@ for st in "$@"; do
     throughput)  stage throughput 210 $SMK throughput_table ;;
     sft)         stage sft 80 $SMK results/h200/sft/sft.json ;;
     diag_ab)     stage diag_ab 60 $SMK results/h200/minite_nvfp4/diagnostics/mismatch.json results/h200/bf16/diagnostics/mismatch.json ;;
-    diagnostics) stage diagnostics 120 $SMK diagnostics ;;
-    stability)   stage stability 180 $SMK stability ;;
-    evals)       stage evals 60 $SMK evals ;;
+    diagnostics) stage diagnostics 110 $SMK diagnostics ;;
+    stability)   stage stability 170 $SMK stability ;;
+    evals)       stage evals 55 $SMK evals ;;
     all)         stage all 120 $SMK all ;;
     *) echo "unknown stage $st" ;;
   esac
