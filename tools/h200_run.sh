@@ -24,18 +24,18 @@ stage() {  # stage NAME SECONDS CMD...
   tail -n 25 "$OUT/stage_$name.log"
   pack
 }
-SMK="python3 -m snakemake --profile workflow/profiles/h200 --scheduler greedy --cores 16 --rerun-incomplete --keep-going ${SMK_EXTRA:-}"
+SMK="python3 -m snakemake --profile workflow/profiles/h200 --scheduler greedy --cores 16 --rerun-incomplete --keep-going"
 for st in "$@"; do
   case "$st" in
     gputests)    stage gputests 90 python3 -m pytest -q -x -m gpu tests/ ;;
     tiny)        stage tiny 70 bash -c "python3 -m minite bench-learner --arm minite_nvfp4 --model tiny --device cuda --steps 2 --warmup 1 --out /tmp/s/bl.json && python3 -m minite diagnose --arm minite_nvfp4 --model tiny --device cuda --attribution off --out /tmp/s/diag && cat /tmp/s/diag/mismatch.json" ;;
-    throughput)  stage throughput 210 $SMK throughput_table ;;
-    sft)         stage sft 80 $SMK results/h200/sft/sft.json ;;
-    diag_ab)     stage diag_ab 60 $SMK results/h200/minite_nvfp4/diagnostics/mismatch.json results/h200/bf16/diagnostics/mismatch.json ;;
-    diagnostics) stage diagnostics 110 $SMK diagnostics ;;
-    stability)   stage stability 170 $SMK stability ;;
-    evals)       stage evals 55 $SMK evals ;;
-    all)         stage all 120 $SMK all ;;
+    throughput)  stage throughput 210 $SMK throughput_table ${SMK_EXTRA:-} ;;
+    sft)         stage sft 80 $SMK results/h200/sft/sft.json ${SMK_EXTRA:-} ;;
+    diag_ab)     stage diag_ab 60 $SMK results/h200/minite_nvfp4/diagnostics/mismatch.json results/h200/bf16/diagnostics/mismatch.json ${SMK_EXTRA:-} ;;
+    diagnostics) stage diagnostics 110 $SMK diagnostics ${SMK_EXTRA:-} ;;
+    stability)   stage stability 170 $SMK stability ${SMK_EXTRA:-} ;;
+    evals)       stage evals 55 $SMK evals ${SMK_EXTRA:-} ;;
+    all)         stage all 120 $SMK all ${SMK_EXTRA:-} ;;
     *) echo "unknown stage $st" ;;
   esac
 done
