@@ -42,21 +42,21 @@ class NVFP4Experts:
 
 
 def stack_experts(ws) -> NVFP4Experts:
-    """List of E NVFP4Tensors [N, K] (all scalar or all per-row global scales) -> NVFP4Experts."""
+    """List of E NVFP4Tensors [N, K] -> NVFP4Experts. Global scales stay scalars [E] when every expert has
+    one; if any expert carries per-row scales (fused gate/up shards with their own scales), scalar ones are
+    expanded to rows so the stack is [E, N]."""
     if isinstance(ws, NVFP4Experts):
         return ws
     ws = list(ws)
     if not ws:
         raise ValueError("grouped_nvfp4_gemm: no expert weights")
-    kinds = {w.global_scale.dim() for w in ws}
-    if len(kinds) != 1:
-        raise ValueError("grouped_nvfp4_gemm: mixed scalar and per-row expert global scales")
+    per_row = any(w.global_scale.dim() for w in ws)
     for w in ws:
         _check_tensor(w, "expert weight")
         if w.shape != ws[0].shape:
             raise ValueError(f"grouped_nvfp4_gemm: expert shapes differ: {w.shape} vs {ws[0].shape}")
-    return NVFP4Experts(torch.stack([w.codes for w in ws]), torch.stack([w.scales for w in ws]),
-                        torch.stack([w.global_scale.to(torch.float32) for w in ws]))
+    gs = [(w.row_global_scale() if per_row else w.global_scale).to(torch.float32) for w in ws]
+    return NVFP4Experts(torch.stack([w.codes for w in ws]), torch.stack([w.scales for w in ws]), torch.stack(gs))
 
 
 def prepare_experts(ws, backend: str | None = None) -> NVFP4Experts:

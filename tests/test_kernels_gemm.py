@@ -155,8 +155,18 @@ def test_experts_container():
     ws = [_q(8, 32, "tensor", seed=i) for i in range(3)]
     ex = stack_experts(ws)
     assert isinstance(ex, NVFP4Experts) and ex.shape == (3, 8, 32) and ex.global_scale.shape == (3,)
-    with pytest.raises(ValueError, match="mixed"):
-        stack_experts([ws[0], _q(8, 32, "row")])
+    # a per-row expert beside scalar ones (fused gate/up shards whose scales happen to coincide collapse to a
+    # scalar): the scalars are expanded to rows, and the grouped GEMM still equals each dense product
+    row = _q(8, 32, "row")
+    mixed = stack_experts([ws[0], row])
+    assert mixed.global_scale.shape == (2, 8)
+    assert torch.equal(mixed.global_scale[0], ws[0].global_scale.expand(8))
+    assert torch.equal(mixed.global_scale[1], row.global_scale)
+    a = _q(5, 32, "row", seed=7)
+    out = grouped_nvfp4_gemm(a, [ws[0], row], torch.tensor([0, 2, 5]), out_dtype=torch.float32)
+    want = torch.cat([ref.nvfp4_matmul_reference(_rows(a, 0, 2), ws[0]),
+                      ref.nvfp4_matmul_reference(_rows(a, 2, 5), row)])
+    assert torch.allclose(out, want, rtol=1e-5, atol=0)
 
 
 @pytest.mark.gpu
