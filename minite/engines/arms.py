@@ -20,6 +20,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from minite.yamlconfig import load_named_yaml
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 ARMS_DIR = CONFIG_DIR / "arms"
 ARM_SCHEMA = CONFIG_DIR / "schemas" / "arm.schema.yaml"
@@ -165,16 +167,5 @@ def arm_from_dict(raw: dict, source: str = "<dict>") -> Arm:
 
 def load_arm(name_or_path: str | Path) -> Arm:
     """Load configs/arms/<name>.yaml, or a YAML file path. Unknown names list the known ones."""
-    p = Path(name_or_path)
-    if p.suffix not in (".yaml", ".yml"):
-        p = ARMS_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        known = sorted(f.stem for f in ARMS_DIR.glob("*.yaml"))
-        raise ArmError(f"unknown arm {str(name_or_path)!r}; known arms: {', '.join(known)}")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ArmError(f"arm {p}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ArmError(f"arm {p}: expected a mapping at the top level")
+    raw, p = load_named_yaml(name_or_path, ARMS_DIR, "arm", ArmError)
     return arm_from_dict(raw, source=str(p))

@@ -18,6 +18,8 @@ import jsonschema
 import torch
 import yaml
 
+from minite.yamlconfig import load_named_yaml
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 MODELS_DIR = CONFIG_DIR / "models"
 MODEL_SCHEMA = CONFIG_DIR / "schemas" / "model.schema.yaml"
@@ -73,18 +75,7 @@ def load_model_config(name_or_path: str | Path | dict, num_layers: int | None = 
     if isinstance(name_or_path, dict):
         raw, source = copy.deepcopy(name_or_path), name_or_path.get("name", "<dict>")
     else:
-        p = Path(name_or_path)
-        if p.suffix not in (".yaml", ".yml"):
-            p = MODELS_DIR / f"{name_or_path}.yaml"
-        if not p.is_file():
-            known = sorted(f.stem for f in MODELS_DIR.glob("*.yaml"))
-            raise ModelConfigError(f"unknown model {str(name_or_path)!r}; known models: {', '.join(known)}")
-        try:
-            raw = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ModelConfigError(f"model {p}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"model {p}: expected a mapping at the top level")
+        raw, p = load_named_yaml(name_or_path, MODELS_DIR, "model", ModelConfigError)
         source = str(p)
     raw.setdefault("checkpoint", None)
     _validate(raw, source)
