@@ -13,7 +13,9 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH || echo "wheel install failed"
 fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-pack() { tar czf "$OUT/results_h200.tgz" results/h200 2>/dev/null; cp -f "$OUT"/stage.log "$OUT"/stage.log 2>/dev/null; }
+# Only what the repo keeps travels back (<= 16 MB a file): never the SFT weights or RL checkpoints (GBs).
+pack() { tar czf "$OUT/results_h200.tgz" --exclude='*/ckpt' --exclude='*/weights' --exclude='*/.weights.tmp' \
+           --exclude='*.pt' --exclude='*.safetensors' --exclude='*/.lock' results/h200 2>/dev/null; }
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 cap=$2; shift 2
   local t0=$(date +%s)
