@@ -23,3 +23,14 @@ def load_named_yaml(name_or_path: str | Path, directory: Path, kind: str, error:
     if not isinstance(raw, dict):
         raise error(f"{kind} {p}: expected a mapping at the top level")
     return raw, p
+
+
+def validate_schema(raw: dict, schema_path: Path, kind: str, source: str, error: type[Exception]) -> None:
+    """JSON-schema check of a loaded config; the error names the file and the offending field."""
+    import jsonschema  # imported here: the loader above is used where no schema is needed
+
+    try:
+        jsonschema.validate(raw, yaml.safe_load(Path(schema_path).read_text()))
+    except jsonschema.ValidationError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise error(f"{kind} {source}: {where}: {e.message}") from None

@@ -17,10 +17,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-import jsonschema
-import yaml
-
-from minite.yamlconfig import load_named_yaml
+from minite.yamlconfig import load_named_yaml, validate_schema
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 ARMS_DIR = CONFIG_DIR / "arms"
@@ -149,12 +146,7 @@ def _check(arm: Arm) -> None:
 
 
 def arm_from_dict(raw: dict, source: str = "<dict>") -> Arm:
-    schema = yaml.safe_load(ARM_SCHEMA.read_text())
-    try:
-        jsonschema.validate(raw, schema)
-    except jsonschema.ValidationError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise ArmError(f"arm {source}: {where}: {e.message}") from None
+    validate_schema(raw, ARM_SCHEMA, "arm", source, ArmError)
     arm = Arm(name=raw["name"], description=raw.get("description", ""), sync=raw["sync"],
               trainer=_engine(raw["trainer"]), sampler=_engine(raw["sampler"]),
               calibration_batches=raw.get("calibration", {}).get("batches", 1), raw=raw)

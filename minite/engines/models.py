@@ -14,11 +14,9 @@ import copy
 import json
 from pathlib import Path
 
-import jsonschema
 import torch
-import yaml
 
-from minite.yamlconfig import load_named_yaml
+from minite.yamlconfig import load_named_yaml, validate_schema
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 MODELS_DIR = CONFIG_DIR / "models"
@@ -32,12 +30,7 @@ class ModelConfigError(ValueError):
 
 
 def _validate(raw: dict, source: str) -> dict:
-    schema = yaml.safe_load(MODEL_SCHEMA.read_text())
-    try:
-        jsonschema.validate(raw, schema)
-    except jsonschema.ValidationError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise ModelConfigError(f"model {source}: {where}: {e.message}") from None
+    validate_schema(raw, MODEL_SCHEMA, "model", source, ModelConfigError)
     check_gemm_dims(raw, source)
     return raw
 
