@@ -12,8 +12,8 @@
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
-from .gemm import (NVFP4Experts, PreparedWeight, gemm_path, grouped_nvfp4_gemm, nvfp4_gemm, prepare_experts,
-                   prepare_weight, stack_experts)
+from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
+from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
 from .quantize import quantize
 
 __all__ = ["quantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts",

@@ -8,83 +8,15 @@ Paths, chosen per call (``_backend.resolve`` + the device's capability):
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
 from minite.nvfp4 import NVFP4Tensor
 
-from . import _backend, _torch_gemm, blackwell
+from . import _torch_gemm, blackwell
+from .weights import (NVFP4Experts, PreparedWeight, _check_tensor, _u8, decode_f16, gemm_path,  # noqa: F401
+                      prepare_experts, prepare_weight, stack_experts)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass
-class NVFP4Experts:
-    """E expert weights [N, K] stacked: codes uint8 [E, N, K/2], scales e4m3 [E, N, K/16], global_scale
-    float32 [E] (one per expert) or [E, N] (per row). Build once with ``stack_experts`` (a list costs a copy
-    on every call)."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    global_scale: torch.Tensor
-    f16: torch.Tensor | None = None  # [E, N, cdiv(K, 128) * 128] pre-decoded (``prepare_experts``), or None
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        e, n, kh = self.codes.shape
-        return (e, n, kh * 2)
-
-    def to(self, device) -> "NVFP4Experts":
-        return NVFP4Experts(self.codes.to(device), self.scales.to(device), self.global_scale.to(device),
-                            None if self.f16 is None else self.f16.to(device))
-
-
-def stack_experts(ws) -> NVFP4Experts:
-    """List of E NVFP4Tensors [N, K] -> NVFP4Experts. Global scales stay scalars [E] when every expert has
-    one; if any expert carries per-row scales (fused gate/up shards with their own scales), scalar ones are
-    expanded to rows so the stack is [E, N]."""
-    if isinstance(ws, NVFP4Experts):
-        return ws
-    ws = list(ws)
-    if not ws:
-        raise ValueError("grouped_nvfp4_gemm: no expert weights")
-    per_row = any(w.global_scale.dim() for w in ws)
-    for w in ws:
-        _check_tensor(w, "expert weight")
-        if w.shape != ws[0].shape:
-            raise ValueError(f"grouped_nvfp4_gemm: expert shapes differ: {w.shape} vs {ws[0].shape}")
-    gs = [(w.row_global_scale() if per_row else w.global_scale).to(torch.float32) for w in ws]
-    return NVFP4Experts(torch.stack([w.codes for w in ws]), torch.stack([w.scales for w in ws]), torch.stack(gs))
-
-
-def prepare_experts(ws, backend: str | None = None) -> NVFP4Experts:
-    """``stack_experts`` plus the pre-decoded fp16 copy of every expert (4x the packed bytes, once): the
-    grouped GEMM then runs the fast large-M path (same bits). Without the Triton path: just stacked."""
-    ex = stack_experts(ws)
-    if ex.f16 is not None or gemm_path(ex.codes.device, backend) != "triton":
-        return ex
-    e, n, k = ex.shape
-    flat = NVFP4Tensor(ex.codes.reshape(e * n, k // 2), ex.scales.reshape(e * n, k // 16),
-                       torch.ones((), device=ex.codes.device))
-    return NVFP4Experts(ex.codes, ex.scales, ex.global_scale, decode_f16(flat).view(e, n, -1))
-
-
-def _check_tensor(t, what: str) -> None:
-    if not hasattr(t, "codes") or not hasattr(t, "scales") or not hasattr(t, "global_scale"):
-        raise TypeError(f"{what} must be an NVFP4Tensor (codes, scales, global_scale), got {type(t)}")
-    c, s, g = t.codes, t.scales, t.global_scale
-    if c.dtype != torch.uint8 or s.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{what}: codes must be uint8 and scales float8_e4m3fn, got {c.dtype} / {s.dtype}")
-    if c.dim() != 2 or s.dim() != 2 or s.shape[0] != c.shape[0] or s.shape[1] * 8 != c.shape[1]:
-        raise ValueError(f"{what}: codes [R, K/2] and scales [R, K/16] do not match: {tuple(c.shape)}, "
-                         f"{tuple(s.shape)}")
-    if g.dtype != torch.float32 or not (g.dim() == 0 or (g.dim() == 1 and g.shape[0] == c.shape[0])):
-        raise ValueError(f"{what}: global_scale must be float32 [] or [{c.shape[0]}], got {g.dtype} "
-                         f"{tuple(g.shape)}")
-    if not (c.device == s.device == g.device):
-        raise ValueError(f"{what}: codes, scales and global_scale are on different devices")
 
 
 def _check_common(a, k_w: int, device, out_dtype) -> None:
@@ -98,48 +30,6 @@ def _check_common(a, k_w: int, device, out_dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------- Triton launch
-@dataclass
-class PreparedWeight:
-    """A weight kept twice: packed NVFP4 (read by the small-M, memory-bound kernel) and pre-decoded fp16 in
-    the GEMM's K order (``decode_f16``: exact values * 2**-14, 4x the packed bytes) for large M, where
-    decoding inside the main loop would cost more ALU time than the tensor cores take. Same bits either way."""
-
-    w: NVFP4Tensor
-    f16: torch.Tensor  # [N, cdiv(K, 128) * 128]
-
-    @property
-    def shape(self):
-        return self.w.shape
-
-    @property
-    def device(self):
-        return self.w.device
-
-
-def decode_f16(t) -> torch.Tensor:
-    """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter).
-    (An int32-word version of this pass compiled to more instructions on sm_90 than this byte one, which
-    already issues 8-byte code loads and 16-byte stores: not kept.)"""
-    from . import _triton_gemm as tg
-    r, k = t.shape
-    kp = (k + tg.BK - 1) // tg.BK * tg.BK
-    out = torch.empty(r, kp, dtype=torch.float16, device=t.codes.device)
-    if r:
-        br = 16 if t.codes.device.type == "cpu" else 64
-        tg.decode_f16_kernel[((r + br - 1) // br, kp // tg.BK)](t.codes.contiguous(), _u8(t.scales), out, r, k,
-                                                                BR=br, BK=tg.BK, num_warps=4)
-    return out
-
-
-def prepare_weight(w: NVFP4Tensor, backend: str | None = None):
-    """One-time re-layout of a weight for ``nvfp4_gemm`` (keep the result, pass it as ``w``). On the Triton
-    path it adds the pre-decoded fp16 copy; elsewhere it returns ``w`` unchanged."""
-    _check_tensor(w, "w")
-    if gemm_path(w.device, backend) != "triton":
-        return w
-    return PreparedWeight(w, decode_f16(w))
-
-
 # The safe config: the reference every other config is probed against (and the fallback for M 17..64 and
 # for any config not proven bit-equal on this GPU).
 SAFE_CONFIG = dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="decode")
@@ -226,10 +116,6 @@ def _pick_config(m: int, n: int, device) -> dict:
         if _proven(c, device):
             return dict(c)
     return dict(SAFE_CONFIG)
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
@@ -380,17 +266,6 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
 
 
 # ---------------------------------------------------------------------------------------- public API
-def gemm_path(device: torch.device, backend: str | None = None) -> str:
-    """'triton' (Hopper kernel), 'blackwell' (sm_100/103) or 'torch' for tensors on ``device``."""
-    b = _backend.resolve(backend, device)
-    if b == "torch":
-        return "torch"
-    if device.type == "cuda" and blackwell.is_blackwell(_backend.capability(device)) \
-            and os.environ.get("MINITE_KERNELS_BLACKWELL", "1") != "0":
-        return "blackwell"
-    return "triton"
-
-
 def nvfp4_gemm(a: NVFP4Tensor, w, out_dtype: torch.dtype = torch.bfloat16,
                bias: torch.Tensor | None = None, backend: str | None = None, config: dict | None = None):
     """a @ w.T for NVFP4 a [M, K], w [N, K] -> [M, N] in out_dtype (bf16, fp16 or fp32).
