@@ -1,4 +1,4 @@
-"""``python -m minite <job> ...`` — the jobs the pipeline (and you) run.
+"""minite jobs: the steps the Snakemake pipeline runs, each also a command (python -m minite JOB --help).
 
 Each job lives in ``minite/jobs/<module>.py`` with ``add_args(parser)`` and ``run(args) -> int``; they are
 imported only when chosen, so ``--help`` stays fast and a missing optional backend fails only its job.
