@@ -53,6 +53,10 @@ def _checkpoint(path):
 _SAME = ("model", "layers", "checkpoint", "device", "max_new_tokens", "temperature", "seed")
 
 
+ATTRIBUTION_FILES = ("attribution.csv", "attribution_subsets.csv", "attribution_waterfall.png",
+                     "attribution_waterfall.pdf")
+
+
 def _reuse_attribution(src: Path, settings: dict, args):
     """(attribution, subsets, source info) from another run's directory, refusing different settings."""
     import json
@@ -134,6 +138,9 @@ def run(args) -> int:
                                       title=f"{model_cfg['name']}: naive -> aligned k3, one cause at a time")
         write_csv(out / "attribution_subsets.csv", subsets)
         write_csv(out / "attribution.csv", attr)
+    else:  # an older run's attribution must not sit beside this run's results as if it were one of them
+        for name in ATTRIBUTION_FILES:
+            (out / name).unlink(missing_ok=True)
     write_csv(out / "layers.csv", d["layers"])
     write_json(out / "mismatch.json", record)
     print(f"wrote {out}/mismatch.json, layers.csv" + (", attribution.csv" if attr is not None else ""))
