@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from minite.engines import gemm as G
 from minite.engines import quant_linear as Q
 
 EXPERTS_NAME = "minite_nvfp4"
@@ -67,23 +66,9 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
     return out
 
 
-def _rows(t, s: int, e: int):
-    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[s:e]
-    return type(t)(t.codes[s:e], t.scales[s:e], g)
-
-
 def grouped_nvfp4(a, qw: Q.QWeight, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
-    """The one call site of the grouped W4A4 kernel (fallback: per-expert loop, CPU/missing kernel only)."""
-    fn = getattr(Q._kernels, "grouped_nvfp4_gemm", None)
-    if fn is not None:
-        return fn(a, qw.experts(), offsets, out_dtype=out_dtype)
-    out = torch.zeros(a.shape[0], qw.codes.shape[1], dtype=out_dtype, device=a.device)
-    bounds = offsets.tolist()
-    for e in range(len(bounds) - 1):
-        s, t = bounds[e], bounds[e + 1]
-        if t > s:
-            out[s:t] = G.nvfp4_gemm(_rows(a, s, t), qw.tensor(e), "kernel", out_dtype=out_dtype)
-    return out
+    """The one call site of the grouped W4A4 kernel (minite.kernels: one launch; exact PyTorch path on CPU)."""
+    return Q._kernels.grouped_nvfp4_gemm(a, qw.experts(), offsets, out_dtype=out_dtype)
 
 
 def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):

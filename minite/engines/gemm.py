@@ -18,10 +18,7 @@ import torch
 from minite import nvfp4
 from minite.engines.arms import QuantSpec
 
-try:  # minite.kernels is optional at import time (it needs nothing, but keep engines importable alone)
-    from minite import kernels as _kernels
-except ImportError:  # pragma: no cover
-    _kernels = None
+from minite import kernels
 
 
 def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
@@ -33,10 +30,7 @@ def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.
         if static_scale is None:
             raise ValueError("static activation scaling needs a calibrated scale; run calibration first")
         kw["global_encode_scale" if spec.formula == "vllm" else "amax"] = static_scale
-    fast = getattr(_kernels, "quantize", None)
-    if fast is not None and spec.formula == "te" and x2d.is_cuda:
-        return fast(x2d, **kw)
-    return nvfp4.quantize(x2d, check=check, **kw)
+    return kernels.quantize(x2d, check=check, **kw)  # Triton for te 1x16 on CUDA, else minite.nvfp4
 
 
 def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -45,10 +39,7 @@ def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=
         return torch.matmul(nvfp4.dequantize(a).to(torch.bfloat16), nvfp4.dequantize(w).to(torch.bfloat16).T
                             ).to(out_dtype)
     if gemm == "kernel":
-        fn = getattr(_kernels, "nvfp4_gemm", None)
-        if fn is not None:
-            return fn(a, w, out_dtype=out_dtype)
-        return nvfp4.nvfp4_matmul_reference(a, w).to(out_dtype)  # exact, hence batch-invariant
+        return kernels.nvfp4_gemm(a, w, out_dtype=out_dtype)
     raise ValueError(f"unknown NVFP4 GEMM path {gemm!r} (emulated | kernel)")
 
 

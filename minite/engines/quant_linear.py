@@ -34,11 +34,7 @@ from minite import nvfp4
 from minite.engines import gemm as G
 from minite.engines.arms import EngineRecipe, QuantSpec
 from minite.engines.gemm import hp_linear
-
-try:
-    from minite import kernels as _kernels
-except ImportError:  # pragma: no cover
-    _kernels = None
+from minite import kernels as _kernels
 
 
 class QuantState:
@@ -124,12 +120,9 @@ class QWeight:
         """minite.kernels' large-M re-layout (a pre-decoded fp16 copy on the Triton path; a no-op on CPU).
         Worth it only for weights reused across many GEMMs: the per-update cache."""
         if self.codes.dim() == 2:
-            fn = getattr(_kernels, "prepare_weight", None)
-            self.prepared = fn(self.tensor()) if fn is not None else None
+            self.prepared = _kernels.prepare_weight(self.tensor())
         else:
-            fn = getattr(_kernels, "prepare_experts", None)
-            self.prepared = fn(_kernels.NVFP4Experts(self.codes, self.scales, self.global_scale)) \
-                if fn is not None else None
+            self.prepared = _kernels.prepare_experts(self.experts())
 
 
 def _weight_tile(spec: QuantSpec, n: int) -> tuple[int, int]:
@@ -215,9 +208,7 @@ def _quantize(x2d: torch.Tensor, state: QuantState, **kw) -> nvfp4.NVFP4Tensor:
     """Backward operands; no NaN check per call (a host sync each): the update's grad-norm check catches
     NaN/Inf gradients before any optimizer step."""
     state.act_quantizations += 1
-    fast = getattr(_kernels, "quantize", None)
-    fn = fast if (fast is not None and x2d.is_cuda) else nvfp4.quantize
-    return fn(x2d, generator=state.generator if kw.get("rounding") == "stochastic" else None, check=False, **kw)
+    return _kernels.quantize(x2d, generator=state.generator if kw.get("rounding") == "stochastic" else None, check=False, **kw)
 
 
 def _dq(t: nvfp4.NVFP4Tensor) -> torch.Tensor:

@@ -25,11 +25,7 @@ import torch.nn.functional as F
 from minite import nvfp4
 from minite.engines.arms import EngineRecipe, QuantSpec
 from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_activation
-
-try:
-    from minite import kernels as _kernels
-except ImportError:  # pragma: no cover
-    _kernels = None
+from minite import kernels
 
 NON_GEMM = ("hf", "vllm")
 #: ModelOpt / vLLM: input_scale = amax / (6 * 448)
@@ -218,10 +214,10 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
         return out
     # one activation quantization for all rows (row / static scaling: identical to per-expert calls)
     a = quantize_activation(xs, recipe.activations, static_scale(amax, recipe.activations, name))
-    fn = getattr(_kernels, "grouped_nvfp4_gemm", None) if recipe.gemm == "kernel" else None
-    if fn is not None:  # the single grouped call site (minite.kernels, one launch for all experts)
-        return fn(a, weights, offsets.to(torch.int64), out_dtype=torch.float32).to(xs.dtype)
-    for e in range(len(bounds) - 1):  # fallback: one GEMM per non-empty expert
+    if recipe.gemm == "kernel":  # the single grouped call site (minite.kernels, one launch for all experts)
+        return kernels.grouped_nvfp4_gemm(a, weights, offsets.to(torch.int64), out_dtype=torch.float32
+                                          ).to(xs.dtype)
+    for e in range(len(bounds) - 1):  # the emulated path: one GEMM per non-empty expert
         if bounds[e + 1] > bounds[e]:
             y = nvfp4_gemm(_slice_rows(a, bounds[e], bounds[e + 1]), weights[e], recipe.gemm, torch.float32)
             out[bounds[e]:bounds[e + 1]] = y.to(xs.dtype)
