@@ -2,7 +2,9 @@
 # Run the h200 profile on a bare lent H200 box (torch/triton/transformers preinstalled, no network).
 # Snakemake and papermill travel as wheels in .whl/ (see tools/README.md). Usage, from the repo root:
 #   bash tools/h200_run.sh gputests tiny throughput diagnostics stability all
-# (stages run in the order given; SMK_EXTRA adds snakemake options, e.g. "--configfile tools/h200_session.yaml")
+# (stages run in the order given; SMK_EXTRA adds snakemake options, e.g. "--configfile tools/h200_session.yaml";
+#  CAP_<stage>=SECONDS overrides a stage's time cap; `main` = diagnostics + stability + evals in one
+#  snakemake call, so that with --resources gpu=N their GPU jobs run side by side)
 # Every stage runs under its own time cap; after each stage results/h200 is packed into $OUT so whatever
 # finished comes back even if a later stage is cut off.
 set -u
@@ -18,6 +20,7 @@ pack() { tar czf "$OUT/results_h200.tgz" --exclude='*/ckpt' --exclude='*/weights
            --exclude='*.pt' --exclude='*.safetensors' --exclude='*/.lock' results/h200 2>/dev/null; }
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 cap=$2; shift 2
+  local override="CAP_$name"; cap=${!override:-$cap}
   local t0=$(date +%s)
   echo "=== stage $name (cap ${cap}s): $*" | tee -a "$OUT/stage.log"
   timeout --signal=INT --kill-after=20 "$cap" "$@" >> "$OUT/stage_$name.log" 2>&1
@@ -37,6 +40,7 @@ for st in "$@"; do
     diagnostics) stage diagnostics 110 $SMK diagnostics ${SMK_EXTRA:-} ;;
     stability)   stage stability 170 $SMK stability ${SMK_EXTRA:-} ;;
     evals)       stage evals 55 $SMK evals ${SMK_EXTRA:-} ;;
+    main)        stage main 420 $SMK diagnostics stability evals ${SMK_EXTRA:-} ;;
     all)         stage all 120 $SMK all ${SMK_EXTRA:-} ;;
     *) echo "unknown stage $st" ;;
   esac
