@@ -20,7 +20,12 @@ import torch
 
 
 def git_sha(short: bool = False) -> str:
-    """The checkout's commit (with '-dirty' when the tree has changes), or 'unknown' outside git."""
+    """The checkout's commit (with '-dirty' when the tree has changes), or 'unknown' outside git.
+
+    MINITE_GIT_SHA, when set, wins: a copied tree (e.g. on a lent GPU box) can carry a stale .git whose HEAD
+    is not the commit that was sent."""
+    if os.environ.get("MINITE_GIT_SHA"):
+        return os.environ["MINITE_GIT_SHA"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
