@@ -215,3 +215,14 @@ def test_notebooks_execute_on_results(results, nb):
     outputs = [o for c in cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2   # it plotted
+
+
+def test_git_sha_prefers_minite_git_sha(monkeypatch):
+    """A copied tree can carry a stale .git: the sha the sender sets must win over git's HEAD."""
+    from minite.provenance import git_sha
+    monkeypatch.delenv("MINITE_GIT_SHA", raising=False)
+    from_git = git_sha()
+    assert from_git != "0123abc"
+    monkeypatch.setenv("MINITE_GIT_SHA", "0123abc")
+    assert git_sha() == "0123abc"
+    assert git_sha(short=True) == "0123abc"
