@@ -90,6 +90,10 @@ def test_kill_and_resume_gives_the_same_curve(setup, tmp_path, arm_name):
     # extending a finished run continues from its last checkpoint
     run_stability(arm, model, cfg, task, killed, steps=4, init=sft_dir, ckpt_every=2, progress=False)
     assert [l["step"] for l in _lines(killed / "stability.jsonl")] == [1, 2, 3, 4]
+    segs = _lines(killed / "segments.jsonl")                          # kill, resume, extend: one line each
+    assert [(g["resumed_from"], g["target_steps"]) for g in segs] == [(0, 3), (2, 3), (3, 4)]
+    assert all(g["sha"] and g["device"] for g in segs)
+    assert json.loads((killed / "stability_summary.json").read_text())["segments"] == segs
     # a different config in the same directory is refused instead of mixed into the curve
     with pytest.raises(RuntimeError, match="different run"):
         run_stability(arm, model, load_rl_config("cpu", {**SMALL, "rl.lr": 1e-3}), task, killed, steps=5,

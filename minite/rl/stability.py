@@ -21,7 +21,8 @@ Determinism and resume: the prompts of step s are a pure function of (seed, s); 
 alarm and collapse detector states, accumulated wall time), written to a temporary directory and renamed
 into place, so a kill never leaves a half checkpoint. On restart the run resumes from the newest complete
 checkpoint, drops the JSONL lines after it and recomputes them: with ``ckpt.every = 1`` at most the step in
-flight is lost, and the curve is the same as an uninterrupted run's.
+flight is lost, and the curve is the same as an uninterrupted run's. Every invocation appends one line to
+``segments.jsonl`` (the step it resumed from, the target, its provenance).
 """
 from __future__ import annotations
 
@@ -129,9 +130,15 @@ def _run(arm, model_cfg, cfg, task, out, *, steps, init, seed, device, ckpt_ever
         collapse.load_state_dict(state["collapse"])
         start, wall0 = int(state["step"]), float(state["wall_s"])
     _truncate_jsonl(jsonl, start)
+    prov = provenance(device)
     write_json(out / "run.json", {"run_id": run_id, "arm": arm.name, "model": model_cfg.get("name"),
                                   "init": str(init) if init else None, "seed": seed, "config": cfg,
-                                  "task": task.config(), "resumed_from": start, "provenance": provenance(device)})
+                                  "task": task.config(), "resumed_from": start, "provenance": prov})
+    # run.json describes the latest invocation only; segments.jsonl keeps every one (a long run done in
+    # several jobs, each possibly from another commit) -- a scheduler may clear the job's log between them.
+    append_jsonl(out / "segments.jsonl", {"resumed_from": start, "target_steps": steps, "run_id": run_id, **prov})
+    if start and progress:
+        tqdm.write(f"rl {arm.name}: resuming from checkpoint step {start} (wall {wall0:.1f} s so far)")
 
     t_run = time.perf_counter()
     bar = tqdm(range(start + 1, steps + 1), desc=f"rl {arm.name}", disable=not progress, initial=start,
@@ -155,6 +162,7 @@ def _run(arm, model_cfg, cfg, task, out, *, steps, init, seed, device, ckpt_ever
                "lead_steps": lead_steps(alarm.alarm_step, collapse.collapse_step),
                **_final_rewards(jsonl), "reward_peak_ewma": collapse.peak,
                "drift": alarm.state_dict(), "collapse": collapse.state_dict(), "run_id": run_id,
+               "segments": [json.loads(l) for l in (out / "segments.jsonl").read_text().splitlines() if l],
                "definitions": {"alarm": f"one-sided CUSUM on log({rl['drift_metric']}) vs its warm-up median/MAD "
                                         f"(minite.rl.drift; warmup {alarm.warmup}, kappa {alarm.kappa}, h {alarm.h})",
                                "collapse": f"reward EWMA(alpha={collapse.alpha}) < {collapse.frac} x peak",
