@@ -24,6 +24,21 @@ def test_bench_learner_writes_json(tmp_path):
     assert d["weight_quantizations_per_update"] == 14                 # re-quantized every forward
 
 
+def test_bench_learner_profile_csv(tmp_path):
+    import pandas as pd
+    out, prof = tmp_path / "learner.json", tmp_path / "profile.csv"
+    rc = main(["bench-learner", "--arm", "minite_nvfp4", "--model", "tiny", "--steps", "1", "--warmup", "0",
+               "--tokens-per-update", "64", "--seq-len", "32", "--device", "cpu", "--profile", str(prof),
+               "--out", str(out)])
+    assert rc == 0 and out.is_file()
+    df = pd.read_csv(prof)
+    assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms",
+                                "sha", "device"]
+    ranges = set(df.loc[df["name"].str.startswith("minite."), "name"])
+    assert {"minite.quantize.weight", "minite.quantize.act", "minite.quantize.grad", "minite.gemm"} <= ranges
+    assert (df["calls"] > 0).all() and df["cpu_ms"].max() > 0 and (df["arm"] == "minite_nvfp4").all()
+
+
 @pytest.mark.parametrize("args,msg", [(["--arm", "fp3"], "unknown arm"), (["--arm", "bf16", "--model", "gpt5"],
                                       "unknown model"),
                                      (["--arm", "bf16", "--seq-len", "30", "--tokens-per-update", "64"], "multiple")])

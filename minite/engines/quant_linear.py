@@ -59,19 +59,21 @@ class QuantState:
         self.version += 1
 
     @contextlib.contextmanager
-    def timed(self, key: str):
+    def timed(self, key: str, what: str = ""):
         """Accumulate the time of a block under ``key`` ("quantize" / "gemm"): CUDA events on the GPU (no
-        sync here; ``collect`` syncs once), the host clock on CPU (where ops are synchronous)."""
-        if self.cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            yield
-            e1.record()
-            self._events[key].append((e0, e1))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._host[key] += time.perf_counter() - t0
+        sync here; ``collect`` syncs once), the host clock on CPU (where ops are synchronous). The block is
+        also a profiler range ``minite.<key>[.<what>]`` (bench-learner --profile)."""
+        with torch.profiler.record_function(f"minite.{key}" + (f".{what}" if what else "")):
+            if self.cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                yield
+                e1.record()
+                self._events[key].append((e0, e1))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._host[key] += time.perf_counter() - t0
 
     def collect(self) -> dict[str, float]:
         """Seconds per key since the last collect (syncs the GPU once), then reset."""
@@ -193,7 +195,7 @@ class WeightCache:
         st = self.state
         if st.cache_per_update and self._q is not None and self._version == st.version:
             return self._q
-        with torch.no_grad(), st.timed("quantize"):
+        with torch.no_grad(), st.timed("quantize", "weight"):
             q = quantize_weight(w, self.spec, self.shards)
             if st.cache_per_update and st.gemm == "kernel" and w.is_cuda:
                 q.prepare()
@@ -218,7 +220,7 @@ def _dq(t: nvfp4.NVFP4Tensor) -> torch.Tensor:
 def quantize_act(x2d: torch.Tensor, state: QuantState) -> nvfp4.NVFP4Tensor:
     """Forward activations per the recipe (gemm.quantize_activation: minite.kernels on CUDA), timed."""
     state.act_quantizations += 1
-    with state.timed("quantize"):
+    with state.timed("quantize", "act"):
         return G.quantize_activation(x2d, state.recipe.activations)
 
 
@@ -227,7 +229,7 @@ def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = Fa
     K % 16 != 0 (a tiny router's N = 8 as dgrad's K) leaves it in BF16."""
     if x2d.shape[1] % 16:
         return x2d.to(torch.bfloat16)
-    with state.timed("quantize"):
+    with state.timed("quantize", "grad"):
         return _dq(_quantize(x2d, state, formula="te", tile=(1, 16), scaling="tensor", rounding=rounding,
                              rht=rht))
 

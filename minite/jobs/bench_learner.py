@@ -44,6 +44,9 @@ def add_args(p) -> None:
                    help="NVFP4 weight quantization: once per update or every forward (default: the arm's — "
                         "per_update for minite, per_forward for naive, as te.Linear without is_first_microbatch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, metavar="CSV",
+                   help="after the timed steps, profile one more update with torch.profiler and write its ops "
+                        "(and minite.quantize.{weight,act,grad} / minite.gemm ranges) to this CSV")
     p.add_argument("--out", required=True, help="output JSON path")
 
 
@@ -144,7 +147,43 @@ def run(args) -> int:
         "input": "random tokens",
     }
     out.update(provenance(device=device))
+    if args.profile:
+        write_profile(args.profile, trainer, batch, cuda, {"arm": arm.name, "sha": out["sha"],
+                                                            "device": out["device"]})
     write_json(args.out, out)
     print(f"{arm.name} {cfg['name']} x{cfg['num_hidden_layers']} layers on {out['device']}: "
           f"{out['tokens_per_s']:.1f} tokens/s, {out['step_ms']:.1f} ms/update -> {args.out}")
     return 0
+
+
+PROFILE_COLUMNS = ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms", "sha", "device"]
+
+
+def write_profile(path, trainer, batch, cuda: bool, meta: dict, top: int = 60) -> None:
+    """One learner update under torch.profiler -> CSV of the ``top`` ops by self device time (self CPU time on
+    CPU), plus every ``minite.*`` range (their device_ms = the GPU time of the kernels launched inside)."""
+    import pandas as pd
+    from torch.profiler import ProfilerActivity, profile
+
+    from minite.provenance import write_csv
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        trainer.update(batch)
+        if cuda:
+            torch.cuda.synchronize()
+
+    def ms(ev, name):  # torch renamed cuda_* -> device_* (2.4); read whichever exists
+        v = getattr(ev, name, None)
+        if v is None:
+            v = getattr(ev, name.replace("device", "cuda"), 0.0)
+        return float(v or 0.0) / 1e3
+
+    rows = [{**meta, "name": ev.key, "calls": ev.count, "self_device_ms": ms(ev, "self_device_time_total"),
+             "device_ms": ms(ev, "device_time_total"), "self_cpu_ms": ev.self_cpu_time_total / 1e3,
+             "cpu_ms": ev.cpu_time_total / 1e3} for ev in prof.key_averages()]
+    df = pd.DataFrame(rows, columns=PROFILE_COLUMNS)
+    order = "self_device_ms" if cuda else "self_cpu_ms"
+    ranges = df[df["name"].str.startswith("minite.")]
+    df = pd.concat([ranges, df.drop(ranges.index).sort_values(order, ascending=False).head(top)])
+    write_csv(path, df)
