@@ -3,6 +3,8 @@
     quantize(x, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
              rounding="nearest", rht=False, generator=None, check=True, backend=None) -> NVFP4Tensor
         minite.nvfp4.quantize, bit for bit; fused Triton kernel for formula "te" 1x16 (else the reference).
+    dequantize(t, out_dtype=torch.float32, backend=None) -> [M, K]
+        minite.nvfp4.dequantize(t).to(out_dtype), bit for bit, one Triton pass on the GPU.
     nvfp4_gemm(a, w, out_dtype=torch.bfloat16, bias=None, backend=None) -> [M, N]
         a @ w.T for NVFP4Tensors a [M, K], w [N, K]; batch invariant and deterministic.
     prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes).
@@ -14,7 +16,7 @@ backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and P
 """
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
-from .quantize import quantize
+from .quantize import dequantize, quantize
 
-__all__ = ["quantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts",
+__all__ = ["quantize", "dequantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts",
            "stack_experts", "prepare_experts", "gemm_path"]

@@ -9,7 +9,7 @@ import torch
 from minite import nvfp4 as ref
 
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
-from .quantize import quantize
+from .quantize import dequantize, quantize
 
 
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -44,7 +44,30 @@ def check_quantize(device, backend=None, shapes=((67, 2048), (5, 784))):
                   and torch.equal(q.global_scale, r.global_scale))
             res.append((f"quantize {m}x{k} {str(dtype)[6:]} {scaling} {rounding} rht={rht}", ok,
                         "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
+            if not rht and rounding == "nearest" and scaling != "static":
+                res.extend(_check_dequantize(q, backend, f"{m}x{k} {scaling}"))
+    # rows wider than one program (MoE wgrad operands): column-chunked programs, tensor scaling
+    from .quantize import MAX_KP
+    x = spread_input(3, MAX_KP + 112, device, torch.bfloat16, seed=5)
+    for rounding, rht in itertools.product(("nearest", "stochastic"), (False, True)):
+        q = quantize(x, rounding=rounding, rht=rht, generator=torch.Generator().manual_seed(3), backend=backend)
+        r = ref.quantize(x, rounding=rounding, rht=rht, generator=torch.Generator().manual_seed(3))
+        ok = torch.equal(q.codes, r.codes) and torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
+        res.append((f"quantize 3x{MAX_KP + 112} (column chunks) {rounding} rht={rht}", ok,
+                    "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
     return res
+
+
+def _check_dequantize(t, backend, label):
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        want = ref.dequantize(t).to(dtype)
+        got = dequantize(t, dtype, backend=backend)
+        ok = got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                                 want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        out.append((f"dequantize {label} -> {str(dtype)[6:]}", ok, "bit-exact" if ok else
+                    f"{int((got != want).sum())} values differ"))
+    return out
 
 
 def check_gemm(device, backend=None, shapes=((300, 520, 2064), (1, 64, 128), (17, 4096, 2048))):

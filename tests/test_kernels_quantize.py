@@ -69,3 +69,59 @@ def test_fallbacks_and_errors():
 def test_gpu_quantize_bit_exact():
     res = check_quantize(torch.device("cuda"))
     assert all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+
+
+def _quantize_module():
+    import importlib
+    return importlib.import_module("minite.kernels.quantize")   # the module (the package exports the function)
+
+
+@pytest.mark.parametrize("scaling,rounding,rht", [("tensor", "stochastic", True), ("tensor", "nearest", False),
+                                                  ("static", "stochastic", False), ("row", "nearest", False)])
+def test_wide_rows_in_column_chunks(monkeypatch, scaling, rounding, rht):
+    """Rows wider than MAX_KP (MoE wgrad operands) run as CHUNK_KP-wide programs, same bits (SR hash on the
+    global index); row scaling there falls back to the reference. Shrunk limits keep the interpreter fast."""
+    mod = _quantize_module()
+    monkeypatch.setattr(mod, "MAX_KP", 512)
+    monkeypatch.setattr(mod, "CHUNK_KP", 256)
+    x = spread_input(5, 1040, "cpu", torch.bfloat16, seed=4)    # 5 chunks, the last one partial
+    x[2, 700] = 40.0                                            # the tensor amax sits in a later chunk
+    kw = dict(scaling=scaling, rounding=rounding, rht=rht, amax=3.0 if scaling == "static" else None)
+    q = quantize(x, generator=torch.Generator().manual_seed(2), backend="triton", **kw)
+    _same(q, ref.quantize(x, generator=torch.Generator().manual_seed(2), **kw))
+    assert mod._layout(1040)[1:] == (256, 4, 5)
+    bad = x.clone()
+    bad[4, 1030] = float("inf")                                 # caught in the last chunk of the last row
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(bad, scaling="tensor", backend="triton")
+
+
+def test_widest_real_row_is_chunked():
+    mod = _quantize_module()
+    k = mod.MAX_KP + 16 * 7                                     # e.g. 32768 routed tokens + expert padding
+    assert mod._layout(k)[1] == mod.CHUNK_KP and mod._layout(mod.MAX_KP)[3] == 1
+    x = spread_input(2, k, "cpu", torch.float32, seed=8)
+    g = torch.Generator().manual_seed(1)
+    _same(quantize(x, rounding="stochastic", generator=g, backend="triton"),
+          ref.quantize(x, rounding="stochastic", generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("scaling", ("tensor", "row"))
+@pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16))
+def test_dequantize_bit_exact(scaling, out_dtype):
+    from minite.kernels import dequantize
+    x = spread_input(37, 272, "cpu", torch.float32, seed=6)
+    x[3] = 0.0
+    x[5, :16] = torch.tensor([0.0, -0.0, 0.25, -0.75, 1.25, 1.75, 2.5, -3.5, 5.0, -6.0, 1e-30, -1e-30,
+                              3.0, 4.0, -4.0, 0.5])
+    t = ref.quantize(x, scaling=scaling)
+    want = ref.dequantize(t).to(out_dtype)
+    got = dequantize(t, out_dtype, backend="triton")
+    assert got.dtype == out_dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))  # -0.0 too
+    sub = ref.NVFP4Tensor(t.codes, torch.full_like(t.scales, 2 ** -9), t.global_scale)  # subnormal e4m3
+    assert torch.equal(dequantize(sub, backend="triton"), ref.dequantize(sub))
+    assert torch.equal(dequantize(t), ref.dequantize(t))                                # CPU default: reference
+    with pytest.raises(ValueError, match="out_dtype"):
+        dequantize(t, torch.float16)
