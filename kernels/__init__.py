@@ -18,5 +18,5 @@ from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
 from .quantize import dequantize, quantize
 
-__all__ = ["quantize", "dequantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts",
-           "stack_experts", "prepare_experts", "gemm_path"]
+__all__ = ["quantize", "dequantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight",
+           "NVFP4Experts", "stack_experts", "prepare_experts", "gemm_path"]
