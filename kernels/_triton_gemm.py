@@ -37,6 +37,26 @@ def _decode(c_ptrs, s_ptrs, cmask, smask):
 
 
 @triton.jit
+def _l2_tile(n_tiles_m, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a dense launch's 1D grid in grouped order: GROUP_M row tiles share each weight tile
+    while it is in L2."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * n_tiles_n
+    first_m = (pid // width) * GROUP_M
+    gsize = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    return first_m + (pid % width) % gsize, (pid % width) // gsize
+
+
+@triton.jit
+def _tile_index(row0, row_end, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows / cols of the output tile, their masks and int64 forms (for address arithmetic)."""
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    return rows, cols, rows < row_end, cols < N, rows.to(tl.int64), cols.to(tl.int64)
+
+
+@triton.jit
 def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_ptr, out_ptr,
                     tile_expert_ptr, tile_row_ptr, offsets_ptr,
                     M, N, K, n_tiles_m,
@@ -57,22 +77,11 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
         w_codes += e.to(tl.int64) * w_estride_c
         w_scales += e.to(tl.int64) * w_estride_s
         gw_ptr += e.to(tl.int64) * gw_estride
-    else:  # grouped ordering of a 1D grid: GROUP_M row tiles share each weight tile while it is in L2
-        pid = tl.program_id(0)
-        n_tiles_n = tl.cdiv(N, BN)
-        width = GROUP_M * n_tiles_n
-        first_m = (pid // width) * GROUP_M
-        gsize = tl.minimum(n_tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % gsize
-        pid_n = (pid % width) // gsize
+    else:
+        pid_m, pid_n = _l2_tile(n_tiles_m, N, BN, GROUP_M)
         row0 = pid_m * BM
         row_end = M
-    rows = row0 + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < row_end
-    nmask = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
+    rows, cols, rmask, nmask, rows64, cols64 = _tile_index(row0, row_end, pid_n, N, BM, BN)
     j = tl.arange(0, BK // 16)
     t = tl.arange(0, 8)
     h = tl.arange(0, BK // 2)

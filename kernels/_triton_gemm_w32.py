@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_gemm import _l2_tile, _tile_index
+
 
 @triton.jit
 def _nib(wd, shift: tl.constexpr, sf):
@@ -70,21 +72,10 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
         w_scales += e.to(tl.int64) * w_estride_s
         gw_ptr += e.to(tl.int64) * gw_estride
     else:
-        pid = tl.program_id(0)
-        n_tiles_n = tl.cdiv(N, BN)
-        width = GROUP_M * n_tiles_n
-        first_m = (pid // width) * GROUP_M
-        gsize = tl.minimum(n_tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % gsize
-        pid_n = (pid % width) // gsize
+        pid_m, pid_n = _l2_tile(n_tiles_m, N, BN, GROUP_M)
         row0 = pid_m * BM
         row_end = M
-    rows = row0 + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < row_end
-    nmask = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
+    rows, cols, rmask, nmask, rows64, cols64 = _tile_index(row0, row_end, pid_n, N, BM, BN)
     wi = tl.arange(0, BK // 8)
     h = tl.arange(0, BK // 2)
     if SCALE_WORDS:  # scale byte j of the step sits in word j // 4 at bit 8 * (j % 4); j = wi // 2
