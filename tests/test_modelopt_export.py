@@ -10,7 +10,8 @@ from minite.engines.arms import load_arm
 from minite.engines.modelopt_export import export_modelopt, load_modelopt
 from minite.engines.models import build_hf_config, build_hf_model, load_model_config
 from minite.engines.sampler import Sampler
-from minite.engines.sync import payload_from_hf_model, split_rows
+from minite.engines.sampler_weights import split_rows
+from minite.engines.sync import payload_from_hf_model
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10, 11], [1, 3, 4, 5, 6, 7]]
 

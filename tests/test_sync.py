@@ -6,8 +6,8 @@ from minite import nvfp4
 from minite.engines.arms import load_arm
 from minite.engines.models import build_hf_config, build_hf_model, load_model_config
 from minite.engines.sampler import Sampler
-from minite.engines.sync import (build_sampler_weights, cat_rows, payload_bytes, payload_from_hf_model,
-                                 quantize_weight, split_rows, sync_weights)
+from minite.engines.sampler_weights import build_sampler_weights, cat_rows, quantize_weight, split_rows
+from minite.engines.sync import payload_bytes, payload_from_hf_model, sync_weights
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
     arms.py          load_arm -> Arm (trainer / sampler recipes)
     models.py        model configs -> transformers Qwen3MoeConfig / Qwen3MoeForCausalLM
     trainer.py       Trainer: HF model + NVFP4 modules (quant_linear.py, experts.py), AdamW, logprobs, sync export
-    sampler.py       Sampler: the vLLM-like engine;  sync.py: sync_weights(trainer, sampler)
+    sampler.py       Sampler: the vLLM-like engine (sampler_ops.py: its ops; sampler_weights.py: its fused weights)
+    sync.py          the weight payload trainer -> sampler: sync_weights(trainer, sampler)
     gemm.py / attention.py   the NVFP4 linear forward and batch-invariant attention both engines use
 """
 

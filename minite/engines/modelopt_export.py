@@ -31,7 +31,7 @@ import torch
 from minite import nvfp4
 from minite.engines.arms import Arm, EngineRecipe, QuantSpec
 from minite.engines.sampler_ops import FP4_E4M3_RANGE
-from minite.engines.sync import SamplerWeights, build_sampler_weights, split_rows
+from minite.engines.sampler_weights import SamplerWeights, build_sampler_weights, split_rows
 from minite.provenance import atomic_path, provenance, write_json
 
 MODELOPT_VERSION = "0.47.0"  # the ModelOpt formula minite.nvfp4 "modelopt" reproduces

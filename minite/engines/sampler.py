@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from minite.engines import sampler_ops as ops
 from minite.engines.arms import Arm
 from minite.engines.attention import invariant_attention
+from minite.engines.sampler_weights import build_sampler_weights
 from minite.tokenizer import EOS, PAD, CharTokenizer
 
 
@@ -67,7 +68,7 @@ class Sampler:
         self.max_batch = int(max_batch)
         self.max_seq_len = int(max_seq_len or c.max_position_embeddings)
         self.rotary = ops.Rotary(c, self.recipe.non_gemm, self.max_seq_len, self.device)
-        self.weights = None            # sync.SamplerWeights, set by load_weights (only through sync)
+        self.weights = None            # sampler_weights.SamplerWeights, set by load_weights (only through sync)
         self._cache = None             # (k, v) [L, B, kv_heads, max_seq, head_dim], allocated on first use
         tok = model_cfg.get("tokenizer") if isinstance(model_cfg, dict) else None
         self.tokenizer = CharTokenizer() if tok == "char" else None
@@ -76,8 +77,6 @@ class Sampler:
     def load_weights(self, payload: dict) -> None:
         """Install weights from a sync payload (``trainer.export_weights()`` format, docs/ENGINES.md). Static
         activation scales from an earlier ``calibrate`` are kept (vLLM calibrates once, at start)."""
-        from minite.engines.sync import build_sampler_weights
-
         old = self.weights
         self.weights = build_sampler_weights(payload, self.recipe, self.config, self.device)
         if old is not None:

@@ -17,14 +17,13 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from minite import nvfp4
 from minite.engines.arms import EngineRecipe, QuantSpec
 from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_activation
+from minite.engines.sampler_weights import Experts, Lin
 from minite import kernels
 
 NON_GEMM = ("hf", "vllm")
@@ -98,19 +97,6 @@ class Rotary:
 
 
 # ------------------------------------------------------------------------------------------------ linears
-@dataclass
-class Lin:
-    """One sampler linear: a BF16 weight [N, K] or an NVFP4 weight, plus its calibrated activation amax."""
-    name: str
-    weight: torch.Tensor | None = None
-    q: nvfp4.NVFP4Tensor | None = None
-    amax: torch.Tensor | None = None          # static activation amax (fp32 scalar), set by calibration
-
-    @property
-    def quantized(self) -> bool:
-        return self.q is not None
-
-
 def static_scale(amax: torch.Tensor | None, spec: QuantSpec, name: str) -> torch.Tensor | None:
     """The value ``minite.engines.gemm`` takes for static scaling: vLLM's encode scale G = 1 / input_scale
     with input_scale = amax / 2688 as the ModelOpt checkpoint stores it ("vllm"), else the amax itself."""
@@ -153,34 +139,6 @@ def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | 
 
 
 # ------------------------------------------------------------------------------------------------ experts
-@dataclass
-class Experts:
-    """E experts: fused gate/up [E, 2I, H] and down [E, H, I], BF16 stacked or lists of NVFP4Tensors.
-    ``gate_up_amax`` / ``down_amax``: one static amax per layer (vLLM collapses per-expert input scales to
-    their max when it loads a ModelOpt MoE)."""
-    name: str
-    gate_up: torch.Tensor | list
-    down: torch.Tensor | list
-    gate_up_amax: torch.Tensor | None = None
-    down_amax: torch.Tensor | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.gate_up, list)
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.gate_up)
-
-    def dequantized(self, part: str) -> torch.Tensor:
-        """Stacked BF16 dequantized weights [E, N, K] of "gate_up" / "down", made once per sync: the emulated
-        GEMM path multiplies by exactly these values, so caching them changes no bit."""
-        cache = self.__dict__.setdefault("_deq", {})
-        if part not in cache:
-            cache[part] = torch.stack([nvfp4.dequantize(w).to(torch.bfloat16) for w in getattr(self, part)])
-        return cache[part]
-
-
 def _slice_rows(t: nvfp4.NVFP4Tensor, a: int, b: int) -> nvfp4.NVFP4Tensor:
     g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[a:b]
     return nvfp4.NVFP4Tensor(t.codes[a:b], t.scales[a:b], g)

@@ -1,0 +1,250 @@
+"""The sampler's weights: its fused layout, and how a sync payload becomes it.
+
+The sampler fuses q/k/v into one QKV weight (rows q, k, v) and keeps each expert's gate/up fused (rows gate,
+up), then, per ``arm.sampler``:
+  * BF16 form, NVFP4 sampler: quantizes the BF16 weights itself with ``arm.sampler.weights`` (naive arm:
+    formula "modelopt", 1x16, ``fused_shards: shared`` = one per-tensor global scale over the fused q/k/v
+    or gate/up shards, i.e. quantizing the fused tensor; ``per_shard`` = each shard its own, concatenated).
+  * codes form (``weights: from_trainer``): the trainer's NVFP4Tensors as they are; fusing concatenates rows
+    and turns per-shard global scales into a per-row global scale [N].
+``build_sampler_weights(payload, recipe, hf_config)`` does this; the payload format is ``minite.engines.sync``'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minite import nvfp4
+from minite.engines.arms import EngineRecipe, QuantSpec
+
+#: payload forms (``{"form": ..., "tensors": ...}``, see ``minite.engines.sync``)
+FORMS = ("bf16", "nvfp4_codes")
+
+
+# ------------------------------------------------------------------------------------------------ linears
+@dataclass
+class Lin:
+    """One sampler linear: a BF16 weight [N, K] or an NVFP4 weight, plus its calibrated activation amax."""
+    name: str
+    weight: torch.Tensor | None = None
+    q: nvfp4.NVFP4Tensor | None = None
+    amax: torch.Tensor | None = None          # static activation amax (fp32 scalar), set by calibration
+
+    @property
+    def quantized(self) -> bool:
+        return self.q is not None
+
+
+# ------------------------------------------------------------------------------------------------ experts
+@dataclass
+class Experts:
+    """E experts: fused gate/up [E, 2I, H] and down [E, H, I], BF16 stacked or lists of NVFP4Tensors.
+    ``gate_up_amax`` / ``down_amax``: one static amax per layer (vLLM collapses per-expert input scales to
+    their max when it loads a ModelOpt MoE)."""
+    name: str
+    gate_up: torch.Tensor | list
+    down: torch.Tensor | list
+    gate_up_amax: torch.Tensor | None = None
+    down_amax: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.gate_up, list)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+    def dequantized(self, part: str) -> torch.Tensor:
+        """Stacked BF16 dequantized weights [E, N, K] of "gate_up" / "down", made once per sync: the emulated
+        GEMM path multiplies by exactly these values, so caching them changes no bit."""
+        cache = self.__dict__.setdefault("_deq", {})
+        if part not in cache:
+            cache[part] = torch.stack([nvfp4.dequantize(w).to(torch.bfloat16) for w in getattr(self, part)])
+        return cache[part]
+
+
+# ------------------------------------------------------------------------------------------------ layers
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    qkv: Lin
+    o: Lin
+    router: Lin | None = None
+    experts: Experts | None = None
+    gate_up: Lin | None = None      # dense (non-MoE) layers only
+    down: Lin | None = None
+
+
+@dataclass
+class SamplerWeights:
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: Lin
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    def linears(self) -> list[Lin]:
+        out = []
+        for lw in self.layers:
+            out += [x for x in (lw.qkv, lw.o, lw.router, lw.gate_up, lw.down) if x is not None]
+        return out + [self.lm_head]
+
+    def amax_dict(self) -> dict[str, torch.Tensor]:
+        d = {lin.name: lin.amax for lin in self.linears() if lin.quantized and lin.amax is not None}
+        for lw in self.layers:
+            if lw.experts is not None and lw.experts.quantized:
+                for part in ("gate_up", "down"):
+                    a = getattr(lw.experts, f"{part}_amax")
+                    if a is not None:
+                        d[f"{lw.experts.name}.{part}"] = a
+        return d
+
+    def set_amax(self, amax: dict[str, torch.Tensor]) -> None:
+        for lin in self.linears():
+            if lin.quantized:
+                if lin.name not in amax:
+                    raise RuntimeError(f"calibration saw no tokens for {lin.name}; calibrate with more prompts")
+                lin.amax = amax[lin.name]
+        for lw in self.layers:
+            if lw.experts is not None and lw.experts.quantized:
+                for part in ("gate_up", "down"):
+                    key = f"{lw.experts.name}.{part}"
+                    if key not in amax:
+                        raise RuntimeError(f"calibration saw no tokens for {key}; calibrate with more prompts")
+                    setattr(lw.experts, f"{part}_amax", amax[key])
+
+    def copy_amax_from(self, other: "SamplerWeights") -> None:
+        amax = other.amax_dict()
+        if amax:
+            self.set_amax(amax)
+
+
+# ------------------------------------------------------------------------------------- fused NVFP4 weights
+def cat_rows(parts: list[nvfp4.NVFP4Tensor]) -> nvfp4.NVFP4Tensor:
+    """Fuse NVFP4 shards along N: codes and scales concatenate; global scales become per-row [N] unless all
+    shards share one scalar."""
+    gs = [p.global_scale for p in parts]
+    if all(g.dim() == 0 for g in gs) and all(bool(g == gs[0]) for g in gs):
+        g = gs[0].clone()
+    else:
+        g = torch.cat([p.row_global_scale() for p in parts])
+    return nvfp4.NVFP4Tensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), g)
+
+
+def split_rows(t: nvfp4.NVFP4Tensor, sizes: list[int]) -> list[nvfp4.NVFP4Tensor]:
+    out, a = [], 0
+    for n in sizes:
+        g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[a:a + n]
+        out.append(nvfp4.NVFP4Tensor(t.codes[a:a + n], t.scales[a:a + n], g))
+        a += n
+    return out
+
+
+def quantize_weight(shards: list[torch.Tensor], spec: QuantSpec) -> nvfp4.NVFP4Tensor:
+    """Quantize BF16 shards [n_i, K] of one fused weight per ``spec`` (shared or per-shard global scale).
+    16x16 tiles fall back to 1x16 blocks where a shard's N is not a multiple of 16 (e.g. an 8-expert
+    router), as the trainer's quant_linear does."""
+    def q(w):
+        kw = spec.quantize_kwargs()
+        if kw["tile"] == (16, 16) and w.shape[0] % 16:
+            kw["tile"] = (1, 16)
+        return nvfp4.quantize(w.to(torch.bfloat16).float(), **kw)
+    if spec.fused_shards == "shared" or len(shards) == 1:
+        return q(torch.cat(shards) if len(shards) > 1 else shards[0])
+    return cat_rows([q(s) for s in shards])
+
+
+def _kind_quantized(recipe: EngineRecipe, kind: str, layer: int | None, n_layers: int) -> bool:
+    return not recipe.keeps_high_precision(kind, layer, n_layers)
+
+
+# ------------------------------------------------------------------------------------------ from a payload
+class _Builder:
+    """Turns payload tensors into the sampler's fused Lin / Experts per the sampler recipe."""
+
+    def __init__(self, payload: dict, recipe: EngineRecipe, n_layers: int, device):
+        if not isinstance(payload, dict) or payload.get("form") not in FORMS or "tensors" not in payload:
+            raise ValueError(f"sync payload: expected {{'form': one of {FORMS}, 'tensors': {{...}}}}")
+        self.form, self.t, self.recipe, self.n, self.device = payload["form"], payload["tensors"], recipe, \
+            n_layers, device
+        if self.form == "nvfp4_codes" and recipe.is_nvfp4 and recipe.weights != "from_trainer":
+            raise ValueError("codes payload but arm.sampler.weights is not 'from_trainer'")
+        if self.form == "bf16" and recipe.weights == "from_trainer":
+            raise ValueError("arm.sampler.weights: from_trainer needs an nvfp4_codes payload, got bf16")
+
+    def get(self, name):
+        if name not in self.t:
+            raise KeyError(f"sync payload is missing {name!r}")
+        return self.t[name]
+
+    def dense(self, name) -> torch.Tensor:
+        v = self.get(name)
+        if isinstance(v, nvfp4.NVFP4Tensor):
+            raise ValueError(f"{name}: expected a BF16 tensor (a norm / embedding), got NVFP4 codes")
+        return v.detach().to(self.device, torch.bfloat16)
+
+    def lin(self, lin_name, names, kind, layer) -> Lin:
+        vals = [self.get(n) for n in names]
+        want_q = _kind_quantized(self.recipe, kind, layer, self.n)
+        is_q = [isinstance(v, nvfp4.NVFP4Tensor) for v in vals]
+        if any(is_q):
+            if not all(is_q) or not want_q:
+                raise ValueError(f"{lin_name}: the payload ships NVFP4 codes but arm.sampler keeps {kind} in "
+                                 "high precision (both engines must keep the same modules in BF16)")
+            return Lin(lin_name, q=cat_rows([v.to(self.device) for v in vals]))
+        ws = [v.detach().to(self.device, torch.bfloat16) for v in vals]
+        if not want_q:
+            return Lin(lin_name, weight=torch.cat(ws) if len(ws) > 1 else ws[0])
+        if self.form == "nvfp4_codes":
+            raise ValueError(f"{lin_name}: codes payload has BF16 weights where arm.sampler quantizes {kind}")
+        return Lin(lin_name, q=quantize_weight(ws, self.recipe.weights))
+
+    def experts(self, i) -> Experts:
+        p = f"model.layers.{i}.mlp.experts"
+        gu, dn = self.get(f"{p}.gate_up_proj"), self.get(f"{p}.down_proj")
+        want_q = _kind_quantized(self.recipe, "experts", i, self.n)
+        if isinstance(gu, (list, tuple)):
+            if not want_q:
+                raise ValueError(f"{p}: payload ships NVFP4 experts but arm.sampler keeps experts in BF16")
+            return Experts(p, [g.to(self.device) for g in gu], [d.to(self.device) for d in dn])
+        gu, dn = gu.detach().to(self.device, torch.bfloat16), dn.detach().to(self.device, torch.bfloat16)
+        if not want_q:
+            return Experts(p, gu.contiguous(), dn.contiguous())
+        if self.form == "nvfp4_codes":
+            raise ValueError(f"{p}: codes payload has BF16 experts where arm.sampler quantizes them")
+        half = gu.shape[1] // 2
+        spec = self.recipe.weights
+        return Experts(p, [quantize_weight([g[:half], g[half:]], spec) for g in gu],
+                       [quantize_weight([d], spec) for d in dn])
+
+
+def build_sampler_weights(payload: dict, recipe: EngineRecipe, hf_config, device="cpu") -> SamplerWeights:
+    """Payload -> the sampler's fused, (re)quantized weights per ``recipe`` (module docstring)."""
+    n = hf_config.num_hidden_layers
+    b = _Builder(payload, recipe, n, device)
+    embed = b.dense("model.embed_tokens.weight")
+    head_name = "lm_head.weight" if "lm_head.weight" in b.t or not hf_config.tie_word_embeddings \
+        else "model.embed_tokens.weight"
+    w = SamplerWeights(embed=embed, norm=b.dense("model.norm.weight"),
+                       lm_head=b.lin("lm_head", [head_name], "lm_head", None))
+    for i in range(n):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        lw = LayerWeights(
+            input_norm=b.dense(f"{p}.input_layernorm.weight"), post_norm=b.dense(f"{p}.post_attention_layernorm.weight"),
+            q_norm=b.dense(f"{a}.q_norm.weight"), k_norm=b.dense(f"{a}.k_norm.weight"),
+            qkv=b.lin(f"{a}.qkv_proj", [f"{a}.{x}_proj.weight" for x in "qkv"], "attention", i),
+            o=b.lin(f"{a}.o_proj", [f"{a}.o_proj.weight"], "attention", i))
+        if f"{p}.mlp.gate.weight" in b.t:
+            lw.router = b.lin(f"{p}.mlp.gate", [f"{p}.mlp.gate.weight"], "router", i)
+            lw.experts = b.experts(i)
+        else:
+            lw.gate_up = b.lin(f"{p}.mlp.gate_up_proj", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"],
+                               "mlp", i)
+            lw.down = b.lin(f"{p}.mlp.down_proj", [f"{p}.mlp.down_proj.weight"], "mlp", i)
+        w.layers.append(lw)
+    return w
