@@ -144,35 +144,19 @@ def _same(a: nvfp4.NVFP4Tensor, b: nvfp4.NVFP4Tensor) -> bool:
             and torch.equal(a.row_global_scale().cpu(), b.row_global_scale().cpu()))
 
 
-def _rows(t: nvfp4.NVFP4Tensor, a: int, b: int) -> nvfp4.NVFP4Tensor:
-    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[a:b]
-    return nvfp4.NVFP4Tensor(t.codes[a:b], t.scales[a:b], g)
-
-
 def sampler_nvfp4_weights(sampler) -> dict[str, nvfp4.NVFP4Tensor | list]:
     """The sampler's quantized weights under the trainer's (HF) parameter names: fused QKV split back into
     q/k/v rows; experts as lists of E tensors (gate/up fused per expert, as the trainer exports them)."""
     w = sampler.weights
     if w is None:
         raise AlignmentError("the sampler holds no weights (sync first)")
-    c = sampler.config
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    nq, nkv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     out = {}
-    for i, lw in enumerate(w.layers):
-        a = f"model.layers.{i}.self_attn"
-        if lw.qkv.quantized:
-            for name, (lo, hi) in zip("qkv", ((0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv))):
-                out[f"{a}.{name}_proj.weight"] = _rows(lw.qkv.q, lo, hi)
-        if lw.o.quantized:
-            out[f"{a}.o_proj.weight"] = lw.o.q
-        if lw.router is not None and lw.router.quantized:
-            out[f"model.layers.{i}.mlp.gate.weight"] = lw.router.q
+    for lin in w.linears():
+        if lin.quantized:
+            out.update(lin.shards())
+    for lw in w.layers:
         if lw.experts is not None and lw.experts.quantized:
-            out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = list(lw.experts.gate_up)
-            out[f"model.layers.{i}.mlp.experts.down_proj"] = list(lw.experts.down)
-    if w.lm_head.quantized:
-        out["lm_head.weight"] = w.lm_head.q
+            out.update({name: list(v) for name, v in lw.experts.shards().items()})
     return out
 
 

@@ -6,6 +6,7 @@
     sampler.py       Sampler: the vLLM-like engine (sampler_ops.py: its ops; sampler_weights.py: its fused weights)
     sync.py          the weight payload trainer -> sampler: sync_weights(trainer, sampler)
     gemm.py / attention.py   the NVFP4 linear forward and batch-invariant attention both engines use
+    names.py         transformers parameter name -> module kind and layer (what each engine quantizes)
 """
 
 

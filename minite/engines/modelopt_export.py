@@ -74,42 +74,37 @@ class _Writer:
         a = torch.as_tensor(self.amax[amax_key], dtype=torch.float32).detach().cpu().reshape(())
         self.t[f"{module}.input_scale"] = a / FP4_E4M3_RANGE
 
-    def linear(self, modules: list[str], sizes: list[int], lin):
-        """One sampler linear (possibly fused) -> its checkpoint modules."""
-        if lin.quantized:
-            for m, part in zip(modules, split_rows(lin.q, sizes)):
-                self.quant(m, part, lin.name)
-        else:
-            a = 0
-            for m, n in zip(modules, sizes):
-                self.dense(f"{m}.weight", lin.weight[a:a + n])
-                self.exclude.append(m)
-                a += n
+    def linear(self, lin):
+        """One sampler linear (possibly fused) -> its checkpoint modules, one per transformers parameter."""
+        for param, part in lin.shards().items():
+            module = param.removesuffix(".weight")
+            if lin.quantized:
+                self.quant(module, part, lin.name)
+            else:
+                self.dense(param, part)
+                self.exclude.append(module)
 
 
-def _tensors(w: SamplerWeights, cfg, amax: dict) -> tuple[dict, list[str]]:
+def _tensors(w: SamplerWeights, amax: dict) -> tuple[dict, list[str]]:
     out = _Writer(amax)
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    nq, nkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     out.dense("model.embed_tokens.weight", w.embed)
     out.dense("model.norm.weight", w.norm)
-    out.linear(["lm_head"], [cfg.vocab_size], w.lm_head)
+    out.linear(w.lm_head)
     for i, lw in enumerate(w.layers):
-        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        p = f"model.layers.{i}"
         for n, t in (("input_layernorm", lw.input_norm), ("post_attention_layernorm", lw.post_norm),
                      ("self_attn.q_norm", lw.q_norm), ("self_attn.k_norm", lw.k_norm)):
             out.dense(f"{p}.{n}.weight", t)
-        out.linear([f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [nq, nkv, nkv], lw.qkv)
-        out.linear([f"{a}.o_proj"], [cfg.hidden_size], lw.o)
+        out.linear(lw.qkv)
+        out.linear(lw.o)
         if lw.experts is None:
-            i_sz = lw.gate_up.q.shape[0] // 2 if lw.gate_up.quantized else lw.gate_up.weight.shape[0] // 2
-            out.linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [i_sz, i_sz], lw.gate_up)
-            out.linear([f"{p}.mlp.down_proj"], [cfg.hidden_size], lw.down)
+            out.linear(lw.gate_up)
+            out.linear(lw.down)
             continue
-        out.linear([f"{p}.mlp.gate"], [cfg.num_experts], lw.router)
+        out.linear(lw.router)
         ex = lw.experts
         for e in range(ex.num_experts):
-            m = f"{p}.mlp.experts.{e}"
+            m = f"{ex.name}.{e}"
             if ex.quantized:
                 half = ex.gate_up[e].shape[0] // 2
                 g, u = split_rows(ex.gate_up[e], [half, half])
@@ -144,7 +139,7 @@ def export_modelopt(source, model_cfg, out_dir, input_amax: dict | None = None, 
     amax.update(input_amax or {})
     if not any(lin.quantized for lin in weights.linears()):
         raise ValueError("nothing to export as NVFP4: every linear of this source is BF16 (a bf16 sampler?)")
-    tensors, exclude = _tensors(weights, cfg, amax)
+    tensors, exclude = _tensors(weights, amax)
     quant = {"producer": {"name": "modelopt", "version": f"{MODELOPT_VERSION} (minite export)"},
              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
                               "exclude_modules": exclude}}

@@ -17,6 +17,7 @@ import torch
 
 from minite import nvfp4
 from minite.engines.arms import EngineRecipe, QuantSpec
+from minite.engines.names import is_quantized, param_kind
 
 #: payload forms (``{"form": ..., "tensors": ...}``, see ``minite.engines.sync``)
 FORMS = ("bf16", "nvfp4_codes")
@@ -25,15 +26,23 @@ FORMS = ("bf16", "nvfp4_codes")
 # ------------------------------------------------------------------------------------------------ linears
 @dataclass
 class Lin:
-    """One sampler linear: a BF16 weight [N, K] or an NVFP4 weight, plus its calibrated activation amax."""
+    """One sampler linear: a BF16 weight [N, K] or an NVFP4 weight, plus its calibrated activation amax.
+    ``params`` / ``rows``: the transformers parameters whose rows it fuses, in order, and their row counts."""
     name: str
     weight: torch.Tensor | None = None
     q: nvfp4.NVFP4Tensor | None = None
     amax: torch.Tensor | None = None          # static activation amax (fp32 scalar), set by calibration
+    params: tuple[str, ...] = ()
+    rows: tuple[int, ...] = ()
 
     @property
     def quantized(self) -> bool:
         return self.q is not None
+
+    def shards(self) -> dict[str, torch.Tensor | nvfp4.NVFP4Tensor]:
+        """The weight split back into the parameters it fuses: {parameter name: its rows}."""
+        parts = split_rows(self.q, self.rows) if self.quantized else self.weight.split(list(self.rows))
+        return dict(zip(self.params, parts))
 
 
 # ------------------------------------------------------------------------------------------------ experts
@@ -55,6 +64,10 @@ class Experts:
     @property
     def num_experts(self) -> int:
         return len(self.gate_up)
+
+    def shards(self) -> dict[str, torch.Tensor | list]:
+        """{transformers parameter name: its weights} (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+        return {f"{self.name}.gate_up_proj": self.gate_up, f"{self.name}.down_proj": self.down}
 
     def dequantized(self, part: str) -> torch.Tensor:
         """Stacked BF16 dequantized weights [E, N, K] of "gate_up" / "down", made once per sync: the emulated
@@ -158,25 +171,29 @@ def quantize_weight(shards: list[torch.Tensor], spec: QuantSpec) -> nvfp4.NVFP4T
     return cat_rows([q(s) for s in shards])
 
 
-def _kind_quantized(recipe: EngineRecipe, kind: str, layer: int | None, n_layers: int) -> bool:
-    return not recipe.keeps_high_precision(kind, layer, n_layers)
+def quantize_experts(w: torch.Tensor, spec: QuantSpec, shards: int = 1) -> list[nvfp4.NVFP4Tensor]:
+    """Stacked BF16 expert weights [E, N, K] -> one NVFP4Tensor per expert, its rows quantized as ``shards``
+    equal shards (2 for ``gate_up_proj``: gate and up) per ``spec``."""
+    return [quantize_weight(list(e.chunk(shards)), spec) for e in w]
 
 
 # ------------------------------------------------------------------------------------------ from a payload
 class _Builder:
     """Turns payload tensors into the sampler's fused Lin / Experts per the sampler recipe."""
 
-    def __init__(self, payload: dict, recipe: EngineRecipe, n_layers: int, device):
+    def __init__(self, payload: dict, recipe: EngineRecipe, hf_config, device):
         if not isinstance(payload, dict) or payload.get("form") not in FORMS or "tensors" not in payload:
             raise ValueError(f"sync payload: expected {{'form': one of {FORMS}, 'tensors': {{...}}}}")
-        self.form, self.t, self.recipe, self.n, self.device = payload["form"], payload["tensors"], recipe, \
-            n_layers, device
+        self.form, self.t, self.recipe, self.device = payload["form"], payload["tensors"], recipe, device
+        self.n, self.tied = hf_config.num_hidden_layers, hf_config.tie_word_embeddings
         if self.form == "nvfp4_codes" and recipe.is_nvfp4 and recipe.weights != "from_trainer":
             raise ValueError("codes payload but arm.sampler.weights is not 'from_trainer'")
         if self.form == "bf16" and recipe.weights == "from_trainer":
             raise ValueError("arm.sampler.weights: from_trainer needs an nvfp4_codes payload, got bf16")
 
     def get(self, name):
+        if name == "lm_head.weight" and name not in self.t and self.tied:
+            name = "model.embed_tokens.weight"  # tied embeddings: the head is the embedding
         if name not in self.t:
             raise KeyError(f"sync payload is missing {name!r}")
         return self.t[name]
@@ -187,26 +204,29 @@ class _Builder:
             raise ValueError(f"{name}: expected a BF16 tensor (a norm / embedding), got NVFP4 codes")
         return v.detach().to(self.device, torch.bfloat16)
 
-    def lin(self, lin_name, names, kind, layer) -> Lin:
-        vals = [self.get(n) for n in names]
-        want_q = _kind_quantized(self.recipe, kind, layer, self.n)
+    def lin(self, lin_name: str, params: list[str]) -> Lin:
+        """One linear fusing the rows of ``params`` (one kind of module, e.g. q/k/v)."""
+        vals = [self.get(n) for n in params]
+        kind, _ = param_kind(params[0])
+        want_q = is_quantized(self.recipe, params[0], self.n)
+        fused = {"params": tuple(params), "rows": tuple(v.shape[0] for v in vals)}
         is_q = [isinstance(v, nvfp4.NVFP4Tensor) for v in vals]
         if any(is_q):
             if not all(is_q) or not want_q:
                 raise ValueError(f"{lin_name}: the payload ships NVFP4 codes but arm.sampler keeps {kind} in "
                                  "high precision (both engines must keep the same modules in BF16)")
-            return Lin(lin_name, q=cat_rows([v.to(self.device) for v in vals]))
+            return Lin(lin_name, q=cat_rows([v.to(self.device) for v in vals]), **fused)
         ws = [v.detach().to(self.device, torch.bfloat16) for v in vals]
         if not want_q:
-            return Lin(lin_name, weight=torch.cat(ws) if len(ws) > 1 else ws[0])
+            return Lin(lin_name, weight=torch.cat(ws) if len(ws) > 1 else ws[0], **fused)
         if self.form == "nvfp4_codes":
             raise ValueError(f"{lin_name}: codes payload has BF16 weights where arm.sampler quantizes {kind}")
-        return Lin(lin_name, q=quantize_weight(ws, self.recipe.weights))
+        return Lin(lin_name, q=quantize_weight(ws, self.recipe.weights), **fused)
 
     def experts(self, i) -> Experts:
         p = f"model.layers.{i}.mlp.experts"
         gu, dn = self.get(f"{p}.gate_up_proj"), self.get(f"{p}.down_proj")
-        want_q = _kind_quantized(self.recipe, "experts", i, self.n)
+        want_q = is_quantized(self.recipe, f"{p}.gate_up_proj", self.n)
         if isinstance(gu, (list, tuple)):
             if not want_q:
                 raise ValueError(f"{p}: payload ships NVFP4 experts but arm.sampler keeps experts in BF16")
@@ -216,35 +236,28 @@ class _Builder:
             return Experts(p, gu.contiguous(), dn.contiguous())
         if self.form == "nvfp4_codes":
             raise ValueError(f"{p}: codes payload has BF16 experts where arm.sampler quantizes them")
-        half = gu.shape[1] // 2
         spec = self.recipe.weights
-        return Experts(p, [quantize_weight([g[:half], g[half:]], spec) for g in gu],
-                       [quantize_weight([d], spec) for d in dn])
+        return Experts(p, quantize_experts(gu, spec, shards=2), quantize_experts(dn, spec))
 
 
 def build_sampler_weights(payload: dict, recipe: EngineRecipe, hf_config, device="cpu") -> SamplerWeights:
     """Payload -> the sampler's fused, (re)quantized weights per ``recipe`` (module docstring)."""
-    n = hf_config.num_hidden_layers
-    b = _Builder(payload, recipe, n, device)
-    embed = b.dense("model.embed_tokens.weight")
-    head_name = "lm_head.weight" if "lm_head.weight" in b.t or not hf_config.tie_word_embeddings \
-        else "model.embed_tokens.weight"
-    w = SamplerWeights(embed=embed, norm=b.dense("model.norm.weight"),
-                       lm_head=b.lin("lm_head", [head_name], "lm_head", None))
-    for i in range(n):
+    b = _Builder(payload, recipe, hf_config, device)
+    w = SamplerWeights(embed=b.dense("model.embed_tokens.weight"), norm=b.dense("model.norm.weight"),
+                       lm_head=b.lin("lm_head", ["lm_head.weight"]))
+    for i in range(b.n):
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
         lw = LayerWeights(
             input_norm=b.dense(f"{p}.input_layernorm.weight"), post_norm=b.dense(f"{p}.post_attention_layernorm.weight"),
             q_norm=b.dense(f"{a}.q_norm.weight"), k_norm=b.dense(f"{a}.k_norm.weight"),
-            qkv=b.lin(f"{a}.qkv_proj", [f"{a}.{x}_proj.weight" for x in "qkv"], "attention", i),
-            o=b.lin(f"{a}.o_proj", [f"{a}.o_proj.weight"], "attention", i))
+            qkv=b.lin(f"{a}.qkv_proj", [f"{a}.{x}_proj.weight" for x in "qkv"]),
+            o=b.lin(f"{a}.o_proj", [f"{a}.o_proj.weight"]))
         if f"{p}.mlp.gate.weight" in b.t:
-            lw.router = b.lin(f"{p}.mlp.gate", [f"{p}.mlp.gate.weight"], "router", i)
+            lw.router = b.lin(f"{p}.mlp.gate", [f"{p}.mlp.gate.weight"])
             lw.experts = b.experts(i)
         else:
-            lw.gate_up = b.lin(f"{p}.mlp.gate_up_proj", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"],
-                               "mlp", i)
-            lw.down = b.lin(f"{p}.mlp.down_proj", [f"{p}.mlp.down_proj.weight"], "mlp", i)
+            lw.gate_up = b.lin(f"{p}.mlp.gate_up_proj", [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"])
+            lw.down = b.lin(f"{p}.mlp.down_proj", [f"{p}.mlp.down_proj.weight"])
         w.layers.append(lw)
     return w

@@ -15,7 +15,8 @@ import torch
 
 from minite import nvfp4
 from minite.engines.arms import Arm, QuantSpec
-from minite.engines.sampler_weights import FORMS, _kind_quantized, quantize_weight
+from minite.engines.names import is_quantized, param_kind
+from minite.engines.sampler_weights import FORMS, quantize_experts, quantize_weight
 
 __all__ = ["FORMS", "payload_bytes", "payload_from_hf_model", "sync_weights"]
 
@@ -41,26 +42,10 @@ def payload_from_hf_model(model, arm: Arm) -> dict:
     spec = _trainer_spec(arm)
     out = {}
     for name, v in sd.items():
-        parts = name.split(".")
-        layer = int(parts[2]) if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):
-            if _kind_quantized(arm.trainer, "experts", layer, n):
-                half = v.shape[1] // 2
-                v = [quantize_weight([g[:half], g[half:]], spec) for g in v]
-        elif name.endswith("experts.down_proj"):
-            if _kind_quantized(arm.trainer, "experts", layer, n):
-                v = [quantize_weight([d], spec) for d in v]
-        elif name.endswith("_proj.weight") and ".self_attn." in name:
-            if _kind_quantized(arm.trainer, "attention", layer, n):
-                v = quantize_weight([v], spec)
-        elif name.endswith("mlp.gate.weight"):
-            if _kind_quantized(arm.trainer, "router", layer, n):
-                v = quantize_weight([v], spec)
-        elif name.endswith("_proj.weight") and ".mlp." in name:
-            if _kind_quantized(arm.trainer, "mlp", layer, n):
-                v = quantize_weight([v], spec)
-        elif name == "lm_head.weight":
-            if _kind_quantized(arm.trainer, "lm_head", None, n):
+        if is_quantized(arm.trainer, name, n):
+            if param_kind(name)[0] == "experts":  # gate_up_proj: two shards, gate and up
+                v = quantize_experts(v, spec, shards=2 if name.endswith(".gate_up_proj") else 1)
+            else:
                 v = quantize_weight([v], spec)
         out[name] = v
     return {"form": "nvfp4_codes", "tensors": out}

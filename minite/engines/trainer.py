@@ -24,9 +24,8 @@ from minite.engines import experts as X
 from minite.engines import quant_linear as Q
 from minite.engines.arms import Arm, load_arm
 from minite.engines.models import build_hf_config, build_hf_model, load_model_config
+from minite.engines.names import is_quantized, param_kind
 from minite.provenance import atomic_path
-
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def default_loss(logprobs: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -86,46 +85,54 @@ class Trainer:
         self.update_count = 0
 
     # ---------------------------------------------------------------------------------------- building
+    def _param_names(self) -> list[str]:
+        """Every parameter name, a tied lm_head included (it is a module of its own)."""
+        return [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
+
     def _swap_modules(self) -> None:
+        """The module of every parameter the trainer quantizes (``names.is_quantized``) -> its NVFP4 form."""
         r, st = self.arm.trainer, self.qstate
-        layers = self.model.model.layers
+        n = len(self.model.model.layers)
         router_cls = None
-        for i, layer in enumerate(layers):
-            def hp(kind, i=i):
-                return r.keeps_high_precision(kind, i, len(layers))
-            for name in _LINEARS:
-                if not hp(name):
-                    setattr(layer.self_attn, name, self._linear(getattr(layer.self_attn, name)))
-            mlp = layer.mlp
-            if not hasattr(mlp, "experts"):
-                raise RuntimeError(f"layer {i}: expected a Qwen3MoeSparseMoeBlock (dense MLP layers unsupported)")
-            if not hp("experts"):
-                mlp.experts.minite_quant = X.ExpertsQuant(st)
-            if not hp("router"):
-                router_cls = router_cls or Q.make_router(type(mlp.gate))
+        for pname in self._param_names():
+            kind, layer = param_kind(pname)
+            if kind == "mlp":
+                raise RuntimeError(f"layer {layer}: expected a Qwen3MoeSparseMoeBlock (dense MLP layers unsupported)")
+            if not is_quantized(r, pname, n):
+                continue
+            mname = pname.rpartition(".")[0]
+            mod = self.model.get_submodule(mname)
+            if kind == "experts":  # one ExpertsQuant for the module's two 3D parameters
+                if getattr(mod, "minite_quant", None) is None:
+                    mod.minite_quant = X.ExpertsQuant(st)
+            elif kind == "router":
+                router_cls = router_cls or Q.make_router(type(mod))
                 new = router_cls(self.hf_config)
-                new.weight = mlp.gate.weight
-                mlp.gate = new.attach(st)
-        if not r.keeps_high_precision("lm_head"):
-            if self.model_cfg.get("tie_word_embeddings"):
-                raise ValueError("an NVFP4 lm_head with tied embeddings is not supported; keep lm_head BF16")
-            self.model.lm_head = self._linear(self.model.lm_head)
+                new.weight = mod.weight
+                self.model.set_submodule(mname, new.attach(st))
+            else:  # attention projections, lm_head
+                if kind == "lm_head" and self.model_cfg.get("tie_word_embeddings"):
+                    raise ValueError("an NVFP4 lm_head with tied embeddings is not supported; keep lm_head BF16")
+                self.model.set_submodule(mname, self._linear(mod))
 
     def _invariant_hp_modules(self) -> None:
         """High-precision router / lm_head: batch-invariant BF16 GEMMs on log-prob paths (arm hp_gemm)."""
         r = self.arm.trainer
-        layers = self.model.model.layers
+        n = len(self.model.model.layers)
         router_cls = None
-        for i, layer in enumerate(layers):
-            gate = layer.mlp.gate
-            if r.keeps_high_precision("router", i, len(layers)) and not hasattr(gate, "attach"):
-                router_cls = router_cls or Q.make_invariant_router(type(gate))
+        for pname in self._param_names():
+            kind, _ = param_kind(pname)
+            if kind not in ("router", "lm_head") or is_quantized(r, pname, n):
+                continue
+            mname = pname.rpartition(".")[0]
+            mod = self.model.get_submodule(mname)
+            if kind == "router":
+                router_cls = router_cls or Q.make_invariant_router(type(mod))
                 new = router_cls(self.hf_config)
-                new.weight = gate.weight
-                layer.mlp.gate = new
-        if r.keeps_high_precision("lm_head") and isinstance(self.model.lm_head, torch.nn.Linear) \
-                and type(self.model.lm_head) is torch.nn.Linear:
-            self.model.lm_head = Q.InvariantLinear.from_linear(self.model.lm_head)
+                new.weight = mod.weight
+                self.model.set_submodule(mname, new)
+            elif type(mod) is torch.nn.Linear:
+                self.model.set_submodule(mname, Q.InvariantLinear.from_linear(mod))
 
     def _linear(self, lin):
         if self.arm.trainer.gemm == "te":
