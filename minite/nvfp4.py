@@ -101,6 +101,12 @@ class NVFP4Tensor:
         """S_dec as a float32 [M] vector, whichever form it is stored in."""
         return self.global_scale.expand(self.shape[0]) if self.global_scale.dim() == 0 else self.global_scale
 
+    def rows(self, start: int, stop: int) -> "NVFP4Tensor":
+        """Rows ``start:stop`` (views, no copy): codes and block scales sliced, a per-row global scale sliced
+        with them, a per-tensor one kept as it is."""
+        g = self.global_scale if self.global_scale.dim() == 0 else self.global_scale[start:stop]
+        return NVFP4Tensor(self.codes[start:stop], self.scales[start:stop], g)
+
 
 # ----------------------------------------------------------------------------------------------- helpers
 def check_finite(x: torch.Tensor, what: str = "input") -> None:

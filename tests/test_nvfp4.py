@@ -468,3 +468,17 @@ def test_nvfp4tensor_accessors():
     assert t.global_scale.dtype == torch.float32 and t.global_scale.dim() == 0
     u = t.to("cpu")
     assert torch.equal(u.codes, t.codes)
+
+
+def test_rows_slices_codes_scales_and_a_per_row_global_scale():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 32, generator=g) * torch.logspace(-2, 2, 6)[:, None]
+    for scaling in ("tensor", "row"):
+        t = quantize(x, "te", scaling=scaling)
+        part = t.rows(2, 5)
+        assert part.shape == (3, 32)
+        assert torch.equal(part.codes, t.codes[2:5]) and torch.equal(part.scales.view(torch.uint8),
+                                                                      t.scales[2:5].view(torch.uint8))
+        assert torch.equal(part.row_global_scale(), t.row_global_scale()[2:5])
+        assert part.global_scale.dim() == t.global_scale.dim()  # a per-tensor scale stays one scalar
+        assert torch.equal(dequantize(part), dequantize(t)[2:5])

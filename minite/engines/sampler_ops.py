@@ -139,11 +139,6 @@ def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | 
 
 
 # ------------------------------------------------------------------------------------------------ experts
-def _slice_rows(t: nvfp4.NVFP4Tensor, a: int, b: int) -> nvfp4.NVFP4Tensor:
-    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[a:b]
-    return nvfp4.NVFP4Tensor(t.codes[a:b], t.scales[a:b], g)
-
-
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
                    calib: Calibrator | None = None, valid: torch.Tensor | None = None,
                    dequantized=None) -> torch.Tensor:
@@ -177,7 +172,7 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
                                           ).to(xs.dtype)
     for e in range(len(bounds) - 1):  # the emulated path: one GEMM per non-empty expert
         if bounds[e + 1] > bounds[e]:
-            y = nvfp4_gemm(_slice_rows(a, bounds[e], bounds[e + 1]), weights[e], recipe.gemm, torch.float32)
+            y = nvfp4_gemm(a.rows(bounds[e], bounds[e + 1]), weights[e], recipe.gemm, torch.float32)
             out[bounds[e]:bounds[e + 1]] = y.to(xs.dtype)
     return out
 

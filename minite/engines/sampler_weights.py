@@ -12,6 +12,7 @@ up), then, per ``arm.sampler``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -149,12 +150,8 @@ def cat_rows(parts: list[nvfp4.NVFP4Tensor]) -> nvfp4.NVFP4Tensor:
 
 
 def split_rows(t: nvfp4.NVFP4Tensor, sizes: list[int]) -> list[nvfp4.NVFP4Tensor]:
-    out, a = [], 0
-    for n in sizes:
-        g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[a:a + n]
-        out.append(nvfp4.NVFP4Tensor(t.codes[a:a + n], t.scales[a:a + n], g))
-        a += n
-    return out
+    """A fused NVFP4 weight -> its shards of ``sizes`` rows (the inverse of ``cat_rows``)."""
+    return [t.rows(end - n, end) for n, end in zip(sizes, accumulate(sizes))]
 
 
 def quantize_weight(shards: list[torch.Tensor], spec: QuantSpec) -> nvfp4.NVFP4Tensor:
