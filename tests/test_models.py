@@ -5,6 +5,7 @@ import yaml
 
 from minite.engines import models as M
 from minite.engines.models import ModelConfigError, load_model_config
+from minite.yamlconfig import config_dir
 
 
 def test_shipped_models_validate_and_match_the_contract():
@@ -53,7 +54,7 @@ def test_malformed_yaml_and_schema_errors(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ModelConfigError, match="not valid YAML"):
         load_model_config(bad)
-    raw = yaml.safe_load((M.MODELS_DIR / "tiny.yaml").read_text())
+    raw = yaml.safe_load((config_dir("model") / "tiny.yaml").read_text())
     for change, msg in [({"hidden_sizee": 1}, "Additional properties"), ({"num_experts": "8"}, "num_experts")]:
         p = tmp_path / "m.yaml"
         p.write_text(yaml.safe_dump({**raw, **change}))

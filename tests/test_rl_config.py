@@ -20,7 +20,7 @@ def test_bad_configs(tmp_path):
     with pytest.raises(RLConfigError, match="rl.lrr"):
         load_rl_config(str(p))
     p.write_text("rll: {}\n")
-    with pytest.raises(RLConfigError, match="unknown section"):
+    with pytest.raises(RLConfigError, match="rll: unknown field"):
         load_rl_config(str(p))
     with pytest.raises(RLConfigError, match="group_size"):
         load_rl_config("cpu", {"rl.group_size": 1})

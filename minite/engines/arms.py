@@ -8,7 +8,8 @@ stay in high precision. ``sync`` says what travels after each update: BF16 maste
 quantizes them itself) or the trainer's NVFP4 codes + scales (``sampler.weights: from_trainer``).
 
 Validation is two-layered: a JSON schema (configs/schemas/arm.schema.yaml) for shape and spelling, then
-``_check`` for combinations that cannot work. Both raise ``ArmError`` naming the file and the problem.
+``_check`` for combinations that cannot work. Both raise ``ArmError`` naming the file and the problem. A field
+an arm leaves out takes the default of its dataclass field below (``QuantSpec``, ``EngineRecipe``).
 ``arm.override({"sampler.gemm": "kernel"})`` returns a modified, re-validated copy (used by attribution).
 """
 from __future__ import annotations
@@ -17,12 +18,9 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-from minite.yamlconfig import load_named_yaml, validate_schema
+from minite.yamlconfig import load_yaml, validate
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-ARMS_DIR = CONFIG_DIR / "arms"
-ARM_SCHEMA = CONFIG_DIR / "schemas" / "arm.schema.yaml"
-ARMS = ("bf16", "naive_te_nvfp4", "minite_nvfp4")
+ARMS = ("bf16", "naive_te_nvfp4", "minite_nvfp4")  # the shipped arms, in display order
 
 
 class ArmError(ValueError):
@@ -76,7 +74,6 @@ class Arm:
     sync: str                          # bf16 | nvfp4_codes
     trainer: EngineRecipe
     sampler: EngineRecipe
-    calibration_batches: int = 1
     raw: dict | None = None            # the validated YAML, for provenance and overrides
 
     def override(self, changes: dict[str, object], name: str | None = None) -> "Arm":
@@ -98,16 +95,18 @@ class Arm:
 def _quant(d) -> QuantSpec | str | None:
     if d is None or isinstance(d, str):
         return d
-    return QuantSpec(d["formula"], tuple(d["tile"]), d["scaling"], d.get("fused_shards", "per_shard"))
+    return QuantSpec(**{**d, "tile": tuple(d["tile"])})
 
 
 def _engine(d: dict) -> EngineRecipe:
-    bw = d.get("backward", {})
-    return EngineRecipe(
-        precision=d["precision"], gemm=d["gemm"], attention=d["attention"], non_gemm=d["non_gemm"],
-        high_precision=tuple(d["high_precision"]), weights=_quant(d.get("weights")),
-        activations=_quant(d.get("activations")), backward_rounding=bw.get("rounding", "nearest"),
-        backward_rht=bool(bw.get("rht", False)), hp_gemm=d.get("hp_gemm", "bf16"))
+    """The YAML's engine block -> EngineRecipe; keys it leaves out take the dataclass defaults."""
+    fields = {k: v for k, v in d.items() if k != "backward"}
+    fields.update({f"backward_{k}": v for k, v in d.get("backward", {}).items()})  # rounding, rht
+    fields["high_precision"] = tuple(d["high_precision"])
+    for key in ("weights", "activations"):
+        if key in d:
+            fields[key] = _quant(d[key])
+    return EngineRecipe(**fields)
 
 
 def _check(arm: Arm) -> None:
@@ -146,10 +145,9 @@ def _check(arm: Arm) -> None:
 
 
 def arm_from_dict(raw: dict, source: str = "<dict>") -> Arm:
-    validate_schema(raw, ARM_SCHEMA, "arm", source, ArmError)
+    validate(raw, "arm", source, ArmError)
     arm = Arm(name=raw["name"], description=raw.get("description", ""), sync=raw["sync"],
-              trainer=_engine(raw["trainer"]), sampler=_engine(raw["sampler"]),
-              calibration_batches=raw.get("calibration", {}).get("batches", 1), raw=raw)
+              trainer=_engine(raw["trainer"]), sampler=_engine(raw["sampler"]), raw=raw)
     try:
         _check(arm)
     except ArmError as e:
@@ -159,5 +157,5 @@ def arm_from_dict(raw: dict, source: str = "<dict>") -> Arm:
 
 def load_arm(name_or_path: str | Path) -> Arm:
     """Load configs/arms/<name>.yaml, or a YAML file path. Unknown names list the known ones."""
-    raw, p = load_named_yaml(name_or_path, ARMS_DIR, "arm", ArmError)
-    return arm_from_dict(raw, source=str(p))
+    raw, source = load_yaml("arm", name_or_path, ArmError)
+    return arm_from_dict(raw, source=source)

@@ -16,12 +16,9 @@ from pathlib import Path
 
 import torch
 
-from minite.yamlconfig import load_named_yaml, validate_schema
+from minite.yamlconfig import load_yaml, validate
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-MODELS_DIR = CONFIG_DIR / "models"
-MODEL_SCHEMA = CONFIG_DIR / "schemas" / "model.schema.yaml"
-MODELS = ("tiny", "small", "qwen3_30b_a3b")
+MODELS = ("tiny", "small", "qwen3_30b_a3b")  # the shipped models
 _NOT_HF = ("name", "description", "tokenizer", "checkpoint", "rope_theta")
 
 
@@ -30,7 +27,7 @@ class ModelConfigError(ValueError):
 
 
 def _validate(raw: dict, source: str) -> dict:
-    validate_schema(raw, MODEL_SCHEMA, "model", source, ModelConfigError)
+    validate(raw, "model", source, ModelConfigError)
     check_gemm_dims(raw, source)
     return raw
 
@@ -68,8 +65,7 @@ def load_model_config(name_or_path: str | Path | dict, num_layers: int | None = 
     if isinstance(name_or_path, dict):
         raw, source = copy.deepcopy(name_or_path), name_or_path.get("name", "<dict>")
     else:
-        raw, p = load_named_yaml(name_or_path, MODELS_DIR, "model", ModelConfigError)
-        source = str(p)
+        raw, source = load_yaml("model", name_or_path, ModelConfigError)
     raw.setdefault("checkpoint", None)
     _validate(raw, source)
     if num_layers is not None:
