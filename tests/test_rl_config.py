@@ -31,6 +31,25 @@ def test_bad_configs(tmp_path):
     assert load_rl_config("cpu", {"rl.tis_cap": 2.0})["rl"]["tis_cap"] == 2.0
 
 
+def test_schema_defaults_fill_what_a_profile_leaves_out(tmp_path):
+    p = tmp_path / "partial.yaml"
+    p.write_text("")
+    cfg = load_rl_config(str(p))
+    assert cfg.pop("_source") == str(p) and cfg == DEFAULTS
+    assert DEFAULTS["task"]["kind"] == "arithmetic" and DEFAULTS["rl"]["group_size"] == 4
+    p.write_text("task: {digits: 3}\nrl: {lr: 1.0e-5}\n")
+    cfg = load_rl_config(str(p), {"eval.k": 2})
+    assert cfg["task"] == {**DEFAULTS["task"], "digits": 3} and cfg["rl"] == {**DEFAULTS["rl"], "lr": 1e-5}
+    assert cfg["eval"] == {**DEFAULTS["eval"], "k": 2}
+    math = load_rl_config("b300")["task"]  # a math task takes none of the arithmetic task's defaults
+    assert math["kind"] == "math" and "digits" not in math and "ops" not in math
+    p.write_text("task: {kind: math, path: x.jsonl, digits: 2}\n")
+    with pytest.raises(RLConfigError, match=r"partial.yaml: task.digits: unknown field"):
+        load_rl_config(str(p))
+    with pytest.raises(RLConfigError, match=r"cpu.yaml \+ overrides \['eval.k'\]: eval.k: 0 is less than"):
+        load_rl_config("cpu", {"eval.k": 0})
+
+
 def test_single_writer_lock(tmp_path):
     with _single_writer(tmp_path):
         with pytest.raises(RuntimeError, match="another process"):
