@@ -14,23 +14,6 @@ def test_profiles_load(profile):
     assert set(cfg) - {"_source"} == set(DEFAULTS)
 
 
-def test_bad_configs(tmp_path):
-    p = tmp_path / "x.yaml"
-    p.write_text("rl: {lr: 1e-4, lrr: 1}\n")
-    with pytest.raises(RLConfigError, match="rl.lrr"):
-        load_rl_config(str(p))
-    p.write_text("rll: {}\n")
-    with pytest.raises(RLConfigError, match="rll: unknown field"):
-        load_rl_config(str(p))
-    with pytest.raises(RLConfigError, match="group_size"):
-        load_rl_config("cpu", {"rl.group_size": 1})
-    with pytest.raises(RLConfigError, match="tis_cap"):
-        load_rl_config("cpu", {"rl.tis_cap": -1})
-    with pytest.raises(RLConfigError, match="not found"):
-        load_rl_config("nope")
-    assert load_rl_config("cpu", {"rl.tis_cap": 2.0})["rl"]["tis_cap"] == 2.0
-
-
 def test_schema_defaults_fill_what_a_profile_leaves_out(tmp_path):
     p = tmp_path / "partial.yaml"
     p.write_text("")
@@ -48,6 +31,23 @@ def test_schema_defaults_fill_what_a_profile_leaves_out(tmp_path):
         load_rl_config(str(p))
     with pytest.raises(RLConfigError, match=r"cpu.yaml \+ overrides \['eval.k'\]: eval.k: 0 is less than"):
         load_rl_config("cpu", {"eval.k": 0})
+
+
+def test_bad_configs(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("rl: {lr: 1e-4, lrr: 1}\n")
+    with pytest.raises(RLConfigError, match="rl.lrr"):
+        load_rl_config(str(p))
+    p.write_text("rll: {}\n")
+    with pytest.raises(RLConfigError, match="rll: unknown field"):
+        load_rl_config(str(p))
+    with pytest.raises(RLConfigError, match="group_size"):
+        load_rl_config("cpu", {"rl.group_size": 1})
+    with pytest.raises(RLConfigError, match="tis_cap"):
+        load_rl_config("cpu", {"rl.tis_cap": -1})
+    with pytest.raises(RLConfigError, match="not found"):
+        load_rl_config("nope")
+    assert load_rl_config("cpu", {"rl.tis_cap": 2.0})["rl"]["tis_cap"] == 2.0
 
 
 def test_single_writer_lock(tmp_path):

@@ -43,7 +43,7 @@ class Lin:
     def shards(self) -> dict[str, torch.Tensor | nvfp4.NVFP4Tensor]:
         """The weight split back into the parameters it fuses: {parameter name: its rows}."""
         parts = split_rows(self.q, self.rows) if self.quantized else self.weight.split(list(self.rows))
-        return dict(zip(self.params, parts))
+        return dict(zip(self.params, parts, strict=True))
 
 
 # ------------------------------------------------------------------------------------------------ experts
@@ -131,7 +131,7 @@ class SamplerWeights:
                         raise RuntimeError(f"calibration saw no tokens for {key}; calibrate with more prompts")
                     setattr(lw.experts, f"{part}_amax", amax[key])
 
-    def copy_amax_from(self, other: "SamplerWeights") -> None:
+    def copy_amax_from(self, other: SamplerWeights) -> None:
         amax = other.amax_dict()
         if amax:
             self.set_amax(amax)
@@ -151,7 +151,7 @@ def cat_rows(parts: list[nvfp4.NVFP4Tensor]) -> nvfp4.NVFP4Tensor:
 
 def split_rows(t: nvfp4.NVFP4Tensor, sizes: list[int]) -> list[nvfp4.NVFP4Tensor]:
     """A fused NVFP4 weight -> its shards of ``sizes`` rows (the inverse of ``cat_rows``)."""
-    return [t.rows(end - n, end) for n, end in zip(sizes, accumulate(sizes))]
+    return [t.rows(end - n, end) for n, end in zip(sizes, accumulate(sizes), strict=True)]
 
 
 def quantize_weight(shards: list[torch.Tensor], spec: QuantSpec) -> nvfp4.NVFP4Tensor:
@@ -246,7 +246,8 @@ def build_sampler_weights(payload: dict, recipe: EngineRecipe, hf_config, device
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
         lw = LayerWeights(
-            input_norm=b.dense(f"{p}.input_layernorm.weight"), post_norm=b.dense(f"{p}.post_attention_layernorm.weight"),
+            input_norm=b.dense(f"{p}.input_layernorm.weight"),
+            post_norm=b.dense(f"{p}.post_attention_layernorm.weight"),
             q_norm=b.dense(f"{a}.q_norm.weight"), k_norm=b.dense(f"{a}.k_norm.weight"),
             qkv=b.lin(f"{a}.qkv_proj", [f"{a}.{x}_proj.weight" for x in "qkv"]),
             o=b.lin(f"{a}.o_proj", [f"{a}.o_proj.weight"]))
