@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minite.rl.task import ArithmeticTask, Problem, TaskError, build_task, sft_batch
+from minite.tasks import ArithmeticTask, Problem, TaskError, build_task, sft_batch
 from minite.tokenizer import BOS, EOS, PAD, CharTokenizer
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minite.rl.task import Problem, TaskError
+from minite.tasks.base import Problem, Task, TaskError
 
 _INSTALL = "install the optional extra: pip install 'minite[math]' (datasets, math-verify)"
 
@@ -94,7 +94,7 @@ def math_equal(response_text: str, gold: str) -> bool:
     return bool(gold_parsed) and bool(pred) and bool(mv.verify(gold_parsed, pred))
 
 
-class MathTask:
+class MathTask(Task):
     kind = "math"
 
     def __init__(self, path, prompt_field: str = "problem", answer_field: str = "answer",
