@@ -62,7 +62,7 @@ def test_aligned_is_exact(runs):
 
 
 def test_decode_replay_matches_generation(runs):
-    for name, (tr, sa, gen, _, s) in runs.items():
+    for name, (_, _, gen, _, s) in runs.items():
         mask = gen.response_mask.bool()
         assert torch.equal(s[mask], gen.logprobs[mask]), name
 

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from minite.rl.config import DEFAULTS, RLConfigError, load_rl_config
 from minite.rl.checkpoints import single_writer, truncate_jsonl
+from minite.rl.config import DEFAULTS, RLConfigError, load_rl_config
 
 
 @pytest.mark.parametrize("profile", ["cpu", "h200", "b300"])

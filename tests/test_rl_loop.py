@@ -57,7 +57,7 @@ def _strip(line: dict) -> dict:
 
 
 def _lines(path):
-    return [json.loads(l) for l in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_sft_cache_hit(setup, tmp_path):
@@ -70,8 +70,8 @@ def test_sft_cache_hit(setup, tmp_path):
     assert again["cache_hit"] and again["config_hash"] == info["config_hash"]
     assert (sft_dir / "sft.json").stat().st_mtime_ns == mtime          # a no-op: nothing rewritten
     other = load_rl_config("cpu", {**SMALL, "sft.lr": 1e-3})
-    from minite.rl.sft import cached_sft, sft_key
     from minite.rl.config import config_hash
+    from minite.rl.sft import cached_sft, sft_key
     assert cached_sft(sft_dir, config_hash(sft_key(model, other, task, 0))) is None
 
 
@@ -90,8 +90,8 @@ def test_kill_and_resume_gives_the_same_curve(setup, tmp_path, arm_name, monkeyp
     assert len(_lines(killed / "stability.jsonl")) == 3 and [s for s, _ in checkpoints(killed)] == [2]
     s_res = run_stability(spec, killed, 3, ckpt_every=2, progress=False)
     a, b = _lines(full / "stability.jsonl"), _lines(killed / "stability.jsonl")
-    assert [l["step"] for l in b] == [1, 2, 3]
-    assert [_strip(l) for l in a] == [_strip(l) for l in b]           # the same curve, bit for bit
+    assert [line["step"] for line in b] == [1, 2, 3]
+    assert [_strip(line) for line in a] == [_strip(line) for line in b]           # the same curve, bit for bit
     assert s_res["final_reward"] == s_full["final_reward"] and s_res["drift"] == s_full["drift"]
     line = a[-1]
     for key in ("reward_mean", "accuracy", "response_len_mean", "entropy_sampler_mc", "grad_norm", "k1", "k3",
@@ -104,7 +104,7 @@ def test_kill_and_resume_gives_the_same_curve(setup, tmp_path, arm_name, monkeyp
         assert key in summ
     # extending a finished run continues from its last checkpoint
     run_stability(spec, killed, 4, ckpt_every=2, progress=False)
-    assert [l["step"] for l in _lines(killed / "stability.jsonl")] == [1, 2, 3, 4]
+    assert [line["step"] for line in _lines(killed / "stability.jsonl")] == [1, 2, 3, 4]
     segs = _lines(killed / "segments.jsonl")                          # kill, resume, extend: one line each
     assert [(g["resumed_from"], g["target_steps"]) for g in segs] == [(0, 3), (2, 3), (3, 4)]
     assert all(g["sha"] and g["device"] for g in segs)
@@ -181,8 +181,8 @@ def test_sigkill_mid_run_then_resume(setup, tmp_path):
     assert (killed / ".lock").exists()                     # left behind by the dead process
     subprocess.run(cmd(killed), check=True, env=env, capture_output=True)
     a, b = _lines(full / "stability.jsonl"), _lines(jsonl)
-    assert [l["step"] for l in b] == [1, 2, 3, 4]
-    assert [_strip(l) for l in a] == [_strip(l) for l in b]
+    assert [line["step"] for line in b] == [1, 2, 3, 4]
+    assert [_strip(line) for line in a] == [_strip(line) for line in b]
 
 
 def test_kl_reference_and_tis_options(setup, tmp_path):

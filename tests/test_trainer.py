@@ -154,7 +154,7 @@ def test_nvfp4_model_gradients_track_bf16_gradients():
     for arm in ("bf16", "naive_te_nvfp4"):
         tr = Trainer(arm, "tiny", seed=5)
         tr.update(batch)
-        grads[arm] = {n: m.grad.clone() for n, m in zip(tr.names, tr.master)}
+        grads[arm] = {n: m.grad.clone() for n, m in zip(tr.names, tr.master, strict=True)}
     # (expert and router gradients move more: FP4 forward noise flips near-tied routing decisions of a
     # random-init router, so the test below checks the experts' autograd with the routing held fixed)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
@@ -194,7 +194,7 @@ def test_nvfp4_experts_forward_backward_close_to_bf16_with_fixed_routing(arm):
         return [t.detach().float() for t in (out, xi.grad, mod.gate_up_proj.grad, mod.down_proj.grad)]
 
     ref, got = run(False), run(True)
-    for r, q, what in zip(ref, got, ("out", "dx", "dgate_up", "ddown")):
+    for r, q, what in zip(ref, got, ("out", "dx", "dgate_up", "ddown"), strict=True):
         rel = float((q - r).norm() / r.norm())
         assert rel < 0.3, (what, rel)
     assert got[2][5].abs().max() == 0 and got[3][5].abs().max() == 0     # no tokens, no gradient
@@ -210,7 +210,7 @@ def test_save_load_round_trip_gives_identical_next_update(tmp_path):
     other.load(tmp_path / "ck.pt")
     got = other.update(b2)
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
-    assert all(torch.equal(a, b) for a, b in zip(tr.master, other.master))
+    assert all(torch.equal(a, b) for a, b in zip(tr.master, other.master, strict=True))
     wrong = Trainer("bf16", "tiny")
     with pytest.raises(ValueError, match="checkpoint .* is for"):
         wrong.load(tmp_path / "ck.pt")

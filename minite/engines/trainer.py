@@ -197,7 +197,7 @@ class Trainer:
             loss = loss_fn(lp, sub) / n_tokens
             loss.backward()
             total += float(loss.detach())
-            for p, m in zip(self.params, self.master):
+            for p, m in zip(self.params, self.master, strict=True):
                 if p.grad is not None:
                     m.grad.add_(p.grad)  # fp32 += bf16, promoted in place (no fp32 temporary)
                     p.grad = None
@@ -212,7 +212,8 @@ class Trainer:
                                      "(NaN/Inf); the optimizer step was not taken")
         self.optimizer.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):  # fp32 master -> BF16 model (round to nearest)
+            # fp32 master -> BF16 model (round to nearest)
+            for p, m in zip(self.params, self.master, strict=True):
                 p.copy_(m)
         self.qstate.bump()
         self.update_count += 1
@@ -282,7 +283,7 @@ class Trainer:
         state = {
             "arm": self.arm.name, "model": self.model_cfg["name"], "layers": self.model_cfg["num_hidden_layers"],
             "update_count": self.update_count, "quant_version": self.qstate.version,
-            "master": {n: m for n, m in zip(self.names, self.master)},
+            "master": {n: m for n, m in zip(self.names, self.master, strict=True)},
             "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "sr": self.qstate.generator.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -297,7 +298,7 @@ class Trainer:
         if mine != theirs:
             raise ValueError(f"checkpoint {path} is for (arm, model, layers) = {theirs}, this trainer is {mine}")
         with torch.no_grad():
-            for n, m, p in zip(self.names, self.master, self.params):
+            for n, m, p in zip(self.names, self.master, self.params, strict=True):
                 m.copy_(state["master"][n])
                 p.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])

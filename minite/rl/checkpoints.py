@@ -46,7 +46,8 @@ def single_writer(out: Path):
                 continue
             except PermissionError:
                 pass
-            raise RunDirectoryError(f"{out} is being written by another process (pid {pid}); one writer per run")
+            raise RunDirectoryError(f"{out} is being written by another process (pid {pid}); "
+                                    "one writer per run") from None
     else:
         raise RunDirectoryError(f"could not take the lock {lock}")
     try:

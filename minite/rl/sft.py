@@ -91,8 +91,8 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
         shutil.rmtree(out / "weights", ignore_errors=True)
         tmp.rename(out / "weights")
         weights = "weights"
-    info = {"config_hash": h, "weights": weights, "compute_dtype": dtype, "model": model_cfg.get("name"), "task": task.config(),
-            "sft": s, "seed": seed, "steps": n, "final_loss": losses[-1] if losses else None,
+    info = {"config_hash": h, "weights": weights, "compute_dtype": dtype, "model": model_cfg.get("name"),
+            "task": task.config(), "sft": s, "seed": seed, "steps": n, "final_loss": losses[-1] if losses else None,
             "loss_first10": sum(losses[:10]) / max(len(losses[:10]), 1) if losses else None,
             "loss_last10": sum(losses[-10:]) / max(len(losses[-10:]), 1) if losses else None,
             "heldout_before": before, "heldout_after": after, "seconds": time.perf_counter() - t0,

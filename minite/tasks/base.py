@@ -79,7 +79,7 @@ def sft_batch(task: Task, problems: list[Problem]) -> dict:
     ids = torch.full((len(seqs), T), PAD, dtype=torch.long)
     att = torch.zeros((len(seqs), T), dtype=torch.long)
     lm = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
         ids[i, : len(s)] = torch.tensor(s)
         att[i, : len(s)] = 1
         lm[i, : len(m)] = torch.tensor(m)

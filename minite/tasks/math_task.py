@@ -112,7 +112,8 @@ class MathTask(Task):
         self.eos_id = self.tok.eos_id
         self.path, self.seed, self.template = str(path), int(seed), template
         self.prompt_field, self.answer_field = prompt_field, answer_field
-        self.heldout_frac, self.n_heldout, self.max_prompt_len = float(heldout_frac), int(n_heldout), int(max_prompt_tokens)
+        self.heldout_frac, self.n_heldout = float(heldout_frac), int(n_heldout)
+        self.max_prompt_len = int(max_prompt_tokens)
         self._key = f"minite-math-{self.seed}".encode()
         self._perm: tuple[int, list[int]] = (-1, [])
         rows = [r for r in load_rows(path, prompt_field, answer_field)
