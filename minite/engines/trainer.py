@@ -79,8 +79,10 @@ class Trainer:
         self.model.to(self.device)
         if compute_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"compute_dtype must be bfloat16 or float32, not {compute_dtype!r}")
-        if compute_dtype == "float32":  # the BF16 weights widened: a model computing in fp32 (CPUs without
-            self.model.float()          # fast bf16 GEMMs); masters and the optimizer are fp32 anyway
+        if compute_dtype == "float32":
+            # the BF16 weights widened, the model computes in fp32 (CPUs without fast bf16 GEMMs); the masters
+            # and the optimizer state are fp32 either way
+            self.model.float()
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
         self.master = [p.detach().float().clone() for p in self.params]

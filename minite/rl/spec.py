@@ -18,6 +18,7 @@ from pathlib import Path
 from minite.engines import build_engines
 from minite.engines.arms import Arm
 from minite.rl.config import config_hash
+from minite.tasks import Task
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,10 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class RunSpec:
     """One run's identity: the arm, model, RL config and task, the warm start, the seed and the device."""
 
-    arm: Arm
+    arm: Arm | None           # None for the arm-less SFT warm start
     model_cfg: dict
     cfg: dict                 # the RL config (minite.rl.config)
-    task: object              # a minite.tasks task
+    task: Task
     init: str | Path | None = None
     seed: int = 0
     device: str = "cpu"
