@@ -185,11 +185,12 @@ def verify_alignment(trainer, sampler, probe_tokens=None, prompt_lens=None, resp
                      ) -> AlignmentReport:
     """Codes identical (bitwise, every synced NVFP4 weight) and the probe batch's k3 <= ``budget_k3``.
     Without ``probe_tokens`` the sampler generates a probe batch from ``n_probe`` prompts (seeded)."""
-    from minite.diagnostics.run import measure, prompts_for, sample
+    from minite.diagnostics.run import measure, sample
+    from minite.tasks import task_for_model
 
     n, bad = compare_codes(trainer, sampler)
     if probe_tokens is None:
-        prompts = prompts_for(trainer.model_cfg, n_probe, seed)
+        prompts = task_for_model(None, trainer.model_cfg, seed).heldout_prompts(n_probe)
         out = sample(sampler, prompts, max_new_tokens, seed)
         probe_tokens, prompt_lens, response_mask = out.tokens, out.prompt_lens, out.response_mask
     elif prompt_lens is None or response_mask is None:

@@ -1,13 +1,19 @@
 """minite jobs: the steps the Snakemake pipeline runs, each also a command (python -m minite JOB --help).
 
 Each job lives in ``minite/jobs/<module>.py`` with ``add_args(parser)`` and ``run(args) -> int``; they are
-imported only when chosen, so ``--help`` stays fast and a missing optional backend fails only its job.
+imported only when chosen, so ``--help`` stays fast and a missing optional backend fails only its job. Flags
+shared by several jobs are ``minite.jobs.common``. Bad input ends a job with one line on stderr and exit
+status 2; progress and summaries are logged (INFO) to stderr, results go to files.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+
+log = logging.getLogger("minite")
 
 # job name -> (module under minite.jobs, one-line help)
 JOBS = {
@@ -19,6 +25,20 @@ JOBS = {
     "kernel-bench": ("kernel_bench", "check and time the NVFP4 kernels (GPU)"),
     "export-modelopt": ("export_modelopt", "write a ModelOpt-NVFP4 checkpoint that vLLM loads"),
 }
+
+# What a user can fix, reported in one line (exit 2) instead of a traceback: bad input (ValueError: arm,
+# model, task and RL configs, flag values), missing input files, missing optional packages (the message says
+# what to install), and refusals of the environment (RuntimeError: no CUDA device, a run directory that
+# another process writes or another run owns). MINITE_LOG_LEVEL=DEBUG adds the traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError, RuntimeError)
+
+
+def configure_logging() -> None:
+    """minite's records at INFO (or MINITE_LOG_LEVEL) to stderr, one plain line each. Where the host
+    application configured logging already, its handlers stay (``basicConfig`` does nothing then)."""
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("MINITE_LOG_LEVEL", "INFO").upper()
+    log.setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
 
 
 def build_parser(load_jobs: str | None = None) -> argparse.ArgumentParser:
@@ -32,6 +52,7 @@ def build_parser(load_jobs: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
     job = next((a for a in argv if not a.startswith("-")), None)
     if job is not None and job not in JOBS:
@@ -41,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 2
     module = importlib.import_module(f"minite.jobs.{JOBS[args.job][0]}")
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except USER_ERRORS as e:
+        log.error("%s: %s", args.job, e)
+        log.debug("traceback", exc_info=True)
+        return 2
 
 
 if __name__ == "__main__":

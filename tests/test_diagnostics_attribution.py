@@ -4,8 +4,15 @@ import itertools
 
 import pytest
 
-from minite.diagnostics.attribution import (CAUSES, all_causes_arm, attribute, same_recipe, shapley_values,
-                                            subset_arm, top_causes)
+from minite.diagnostics.attribution import (
+    CAUSES,
+    all_causes_arm,
+    attribute,
+    same_recipe,
+    shapley_values,
+    subset_arm,
+    top_causes,
+)
 from minite.engines.arms import load_arm
 
 
@@ -36,12 +43,12 @@ def _check_sums(table, total):
 
 
 def test_additive_metric_every_order_agrees():
-    contrib = dict(zip(CAUSES, (0.5, 0.2, 0.1, 0.05, 0.15)))
+    contrib = dict(zip(CAUSES, (0.5, 0.2, 0.1, 0.05, 0.15), strict=True))
     v = lambda s: 1.0 - sum(contrib[c] for c in s)  # noqa: E731
     t = attribute(v)
     _check_sums(t, 1.0)
     for order in ("forward", "reverse", "shapley"):
-        got = dict(zip(t[t.order == order].cause, t[t.order == order].delta))
+        got = dict(zip(t[t.order == order].cause, t[t.order == order].delta, strict=True))
         assert got == pytest.approx(contrib)
     assert [c for c, _ in top_causes(t)] == ["weights", "activations", "non_gemm"]
 
@@ -60,8 +67,8 @@ def test_interacting_metric_orders_differ_but_sum():
     t = attribute(v)
     total = v(frozenset()) - v(frozenset(CAUSES))
     _check_sums(t, total)
-    fwd = dict(zip(t[t.order == "forward"].cause, t[t.order == "forward"].delta))
-    rev = dict(zip(t[t.order == "reverse"].cause, t[t.order == "reverse"].delta))
+    fwd = dict(zip(t[t.order == "forward"].cause, t[t.order == "forward"].delta, strict=True))
+    rev = dict(zip(t[t.order == "reverse"].cause, t[t.order == "reverse"].delta, strict=True))
     assert fwd["weights"] == pytest.approx(0.0) and rev["weights"] == pytest.approx(1.0)
     phi = shapley_values(v)
     assert phi["weights"] == pytest.approx(0.5) and phi["activations"] == pytest.approx(1.0)

@@ -9,9 +9,11 @@ from minite import nvfp4
 from minite.diagnostics import attribution as A
 from minite.diagnostics.localise import ROUNDING_THRESHOLD, attention_mask_for, localise
 from minite.diagnostics.metrics import align_trainer_logprobs, mismatch_metrics
-from minite.diagnostics.run import build_pair, measure, prompts_for, sample
+from minite.diagnostics.run import measure, sample
+from minite.engines import build_engines
 from minite.engines.arms import load_arm
 from minite.engines.models import load_model_config
+from minite.tasks import task_for_model
 
 N_PROMPTS, NEW = 6, 6
 
@@ -23,11 +25,11 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def prompts(cfg):
-    return prompts_for(cfg, N_PROMPTS, seed=0)
+    return task_for_model(None, cfg, seed=0).heldout_prompts(N_PROMPTS)
 
 
 def _pair(arm, cfg, prompts):
-    return build_pair(arm, cfg, seed=0, calibration_prompts=prompts, max_batch=len(prompts),
+    return build_engines(arm, cfg, seed=0, calibration_prompts=prompts, max_batch=len(prompts),
                       max_seq_len=max(map(len, prompts)) + NEW + 1)
 
 
@@ -60,7 +62,7 @@ def test_aligned_is_exact(runs):
 
 
 def test_decode_replay_matches_generation(runs):
-    for name, (tr, sa, gen, _, s) in runs.items():
+    for name, (_, _, gen, _, s) in runs.items():
         mask = gen.response_mask.bool()
         assert torch.equal(s[mask], gen.logprobs[mask]), name
 

@@ -9,8 +9,14 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from minite.diagnostics.localise import (ROUNDING_THRESHOLD, SamplerCapture, compare, compare_positions,
-                                         first_divergence, localise)
+from minite.diagnostics.localise import (
+    ROUNDING_THRESHOLD,
+    SamplerCapture,
+    compare,
+    compare_positions,
+    first_divergence,
+    localise,
+)
 
 
 def _model(seed=0):

@@ -108,5 +108,5 @@ def test_export_job(tmp_path):
     quant = json.loads((tmp_path / "job" / "hf_quant_config.json").read_text())
     assert quant["quantization"]["quant_algo"] == "NVFP4"
     assert json.loads((tmp_path / "job" / "export_provenance.json").read_text())["arm"] == "naive_te_nvfp4"
-    args = p.parse_args(["--arm", "bf16", "--out", str(tmp_path / "bf16")])
-    assert job.run(args) == 2
+    from minite.cli import main
+    assert main(["export-modelopt", "--arm", "bf16", "--out", str(tmp_path / "bf16")]) == 2

@@ -21,8 +21,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minite import nvfp4
-from minite.nvfp4 import (E2M1_VALUES, NVFP4Tensor, dequantize, nvfp4_matmul_reference, pack_codes, quantize,
-                          rht16, rht_matrix, stochastic_uniform, unpack_codes)
+from minite.nvfp4 import (
+    E2M1_VALUES,
+    NVFP4Tensor,
+    dequantize,
+    nvfp4_matmul_reference,
+    pack_codes,
+    quantize,
+    rht16,
+    rht_matrix,
+    stochastic_uniform,
+    unpack_codes,
+)
 
 FORMULAS = ("te", "vllm", "modelopt")
 IDENTITY = {"te": dict(scaling="static", amax=2688.0), "vllm": dict(scaling="static", global_encode_scale=1.0),
@@ -307,7 +317,10 @@ def test_sr_strict_less_than():
 
 def test_sr_deterministic_per_generator():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(9))
-    q = lambda g: quantize(x, "te", rounding="stochastic", generator=g).codes
+
+    def q(g):
+        return quantize(x, "te", rounding="stochastic", generator=g).codes
+
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     first = q(g1)
     assert torch.equal(first, q(g2))
@@ -415,9 +428,16 @@ def test_bad_input_raises(x, kw, msg):
         quantize(x, **kw)
 
 
-def test_check_false_skips_the_scan():
+def test_check_false_skips_the_scan(monkeypatch):
     x = torch.tensor([[float("nan")] + [1.0] * 15])
-    quantize(x, "te", check=False)  # no error: the caller promised finite input
+    with pytest.raises(ValueError):
+        quantize(x, "te")                                   # the scan finds the NaN
+    scans = []
+    monkeypatch.setattr(nvfp4, "check_finite", lambda *a, **k: scans.append(a))
+    assert quantize(x, "te").codes.shape == (1, 8) and scans  # the scan runs by default ...
+    scans.clear()
+    t = quantize(x, "te", check=False)                      # ... and not at all when the caller promised
+    assert scans == [] and isinstance(t, NVFP4Tensor) and t.codes.shape == (1, 8)
 
 
 # -------------------------------------------------------------------------------- dequantize, GEMM oracle

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -130,7 +131,7 @@ def test_oracle_e4m3_agrees_with_torch_cast_and_bits():
     vals = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
     assert [e4m3_bits(v) for v in vals] == list(range(1, 127)) and vals[-1] == 448.0
     probes = [0.0, 2.0 ** -10, 2.0 ** -11] + vals
-    for a, b in zip([0.0] + vals, vals):
+    for a, b in zip([0.0] + vals, vals, strict=False):
         mid = np.float32((a + b) / 2)
         probes += [float(mid), float(np.nextafter(mid, F32(0))), float(np.nextafter(mid, F32(500)))]
     probes = [p for p in probes if p <= 448.0]
@@ -164,7 +165,7 @@ CONFIGS = [dict(), dict(scaling="row"), dict(tile=(16, 16)), dict(scaling="stati
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["tensor", "row", "tile16x16", "static_clip"])
 def test_module_matches_oracle_random(formula, cfg):
     """bf16 data over 16 decades per row, zero blocks, a denormal-scale row: every code, scale and S_dec."""
-    rng = np.random.default_rng(abs(hash((formula, str(cfg)))) % 2 ** 32)
+    rng = np.random.default_rng(zlib.crc32(f"{formula} {cfg}".encode()))  # stable: a failure replays
     for _ in range(3):
         m = 16 if "tile" in cfg else int(rng.integers(1, 5))
         x = rng.standard_normal((m, 48)) * np.exp(rng.uniform(-18, 18, (m, 1)))

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
+from minite.rl.checkpoints import single_writer, truncate_jsonl
 from minite.rl.config import DEFAULTS, RLConfigError, load_rl_config
-from minite.rl.stability import _single_writer, _truncate_jsonl
 
 
 @pytest.mark.parametrize("profile", ["cpu", "h200", "b300"])
@@ -51,21 +51,21 @@ def test_bad_configs(tmp_path):
 
 
 def test_single_writer_lock(tmp_path):
-    with _single_writer(tmp_path):
+    with single_writer(tmp_path):
         with pytest.raises(RuntimeError, match="another process"):
-            with _single_writer(tmp_path):
+            with single_writer(tmp_path):
                 pass
     assert not (tmp_path / ".lock").exists()
     (tmp_path / ".lock").write_text("999999999")            # left by a killed process
-    with _single_writer(tmp_path):
+    with single_writer(tmp_path):
         assert (tmp_path / ".lock").read_text() == str(os.getpid())
 
 
 def test_truncate_jsonl_drops_later_and_torn_lines(tmp_path):
     p = tmp_path / "s.jsonl"
     p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "tor')
-    _truncate_jsonl(p, 2)
+    truncate_jsonl(p, 2)
     assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
     p.write_text('{"step": 1}\n{"step": 2, "tor')
-    _truncate_jsonl(p, 5)
+    truncate_jsonl(p, 5)
     assert p.read_text() == '{"step": 1}\n'

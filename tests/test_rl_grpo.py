@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minite.rl.grpo import group_advantages, grpo_loss, make_loss_fn, tis_weights
+from minite.rl.grpo import group_advantages, grpo_loss, make_loss_fn, tis_weights, token_loss_sum
 
 
 def test_group_advantages_std_normalised():
@@ -92,9 +92,13 @@ def test_aggregations_and_denominator():
          "old_logprobs": torch.zeros(2, 3)}
     assert grpo_loss(lp, b).item() == pytest.approx(-(1 + 9) / 4)              # token-mean (DAPO)
     assert grpo_loss(lp, b, agg="seq-mean-token-mean").item() == pytest.approx(-(1 + 3) / 2)
-    # micro-batching: each half with the global denominator sums to the full-batch token mean
-    halves = [{k: v[i:i + 1] for k, v in {**b, "loss_denominator": torch.full((2,), 4.0)}.items()} for i in (0, 1)]
-    total = sum(grpo_loss(lp[i:i + 1], h).item() for i, h in enumerate(halves))
+    # micro-batching (the trainer's contract): each half's sum with the whole batch's counts, over the whole
+    # batch's loss tokens, sums to the full-batch objective, for both aggregations
+    counts = {"_n_tokens": 4, "_n_sequences": 2}
+    halves = [{**{k: v[i:i + 1] for k, v in b.items()}, **counts} for i in (0, 1)]
+    total = sum(token_loss_sum(lp[i:i + 1], h).item() for i, h in enumerate(halves)) / 4
     assert total == pytest.approx(-(1 + 9) / 4)
+    total = sum(token_loss_sum(lp[i:i + 1], h, agg="seq-mean-token-mean").item() for i, h in enumerate(halves)) / 4
+    assert total == pytest.approx(-(1 + 3) / 2)
     with pytest.raises(ValueError):
         grpo_loss(lp, b, agg="sum")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from minite.rl.task import Problem, TaskError, build_task
+from minite.tasks import Problem, TaskError, build_task
 from minite.tokenizer import CharTokenizer
 
 pytest.importorskip("datasets")
@@ -54,7 +54,7 @@ def test_clear_errors(data, tmp_path):
 
 def test_math_verify_reward(data):
     pytest.importorskip("math_verify")
-    from minite.rl.math_task import math_equal
+    from minite.tasks.math_task import math_equal
 
     assert math_equal("so the answer is \\boxed{\\frac{1}{2}}", "0.5")
     assert math_equal("$x = 3$", "3")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minite.rl.task import ArithmeticTask, Problem, TaskError, build_task, sft_batch
+from minite.tasks import ArithmeticTask, Problem, TaskError, build_task, sft_batch
 from minite.tokenizer import BOS, EOS, PAD, CharTokenizer
 
 
@@ -62,8 +62,8 @@ def test_sft_batch_layout():
     assert CharTokenizer().decode(ids[1]) == "12+34=46"
     assert lm[1].tolist() == [0] * 7 + [1, 1, 1]              # bos 1 2 + 3 4 = | 4 6 eos
     # loss on the answer tokens and EOS only
-    assert [int(i) for i, m in zip(ids[1], lm[1]) if m] == t.encode_answer(ps[1])
-    assert [int(i) for i, m in zip(ids[0], lm[0]) if m] == t.encode_answer(ps[0])
+    assert [int(i) for i, m in zip(ids[1], lm[1], strict=True) if m] == t.encode_answer(ps[1])
+    assert [int(i) for i, m in zip(ids[0], lm[0], strict=True) if m] == t.encode_answer(ps[0])
     assert att[0].tolist() == [1] * 7 + [0] * 3
 
 

@@ -154,7 +154,7 @@ def test_nvfp4_model_gradients_track_bf16_gradients():
     for arm in ("bf16", "naive_te_nvfp4"):
         tr = Trainer(arm, "tiny", seed=5)
         tr.update(batch)
-        grads[arm] = {n: m.grad.clone() for n, m in zip(tr.names, tr.master)}
+        grads[arm] = {n: m.grad.clone() for n, m in zip(tr.names, tr.master, strict=True)}
     # (expert and router gradients move more: FP4 forward noise flips near-tied routing decisions of a
     # random-init router, so the test below checks the experts' autograd with the routing held fixed)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
@@ -194,7 +194,7 @@ def test_nvfp4_experts_forward_backward_close_to_bf16_with_fixed_routing(arm):
         return [t.detach().float() for t in (out, xi.grad, mod.gate_up_proj.grad, mod.down_proj.grad)]
 
     ref, got = run(False), run(True)
-    for r, q, what in zip(ref, got, ("out", "dx", "dgate_up", "ddown")):
+    for r, q, what in zip(ref, got, ("out", "dx", "dgate_up", "ddown"), strict=True):
         rel = float((q - r).norm() / r.norm())
         assert rel < 0.3, (what, rel)
     assert got[2][5].abs().max() == 0 and got[3][5].abs().max() == 0     # no tokens, no gradient
@@ -210,7 +210,7 @@ def test_save_load_round_trip_gives_identical_next_update(tmp_path):
     other.load(tmp_path / "ck.pt")
     got = other.update(b2)
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
-    assert all(torch.equal(a, b) for a, b in zip(tr.master, other.master))
+    assert all(torch.equal(a, b) for a, b in zip(tr.master, other.master, strict=True))
     wrong = Trainer("bf16", "tiny")
     with pytest.raises(ValueError, match="checkpoint .* is for"):
         wrong.load(tmp_path / "ck.pt")
@@ -292,3 +292,31 @@ def test_high_precision_first_layer_stays_bf16():
     assert isinstance(l1.self_attn.q_proj, Q.NVFP4Linear) and l1.mlp.experts.minite_quant is not None
     assert hasattr(l1.mlp.gate, "cache")                            # the naive arm quantizes the router
     assert tr.update(_batch())["loss"] > 0
+
+
+def test_loss_contract_slice_sums_over_the_batch_loss_tokens():
+    """A loss returns its micro-batch slice's SUM; the trainer divides by the whole batch's loss tokens. The
+    default NLL and the same sum given as a custom loss are one objective, and the slice sees the batch counts."""
+    b, seen = _batch(b=3), []
+
+    def nll_sum(lp, sub):
+        seen.append((sub["_n_tokens"], sub["_n_sequences"], lp.shape[0]))
+        return -(lp * sub["loss_mask"][:, 1:]).sum()
+
+    want = Trainer("bf16", "tiny", micro_batch_size=2).update(b)
+    got = Trainer("bf16", "tiny", micro_batch_size=2).update(b, loss_fn=nll_sum)
+    assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
+    n = int(b["loss_mask"][:, 1:].sum())
+    assert seen == [(n, 3, 2), (n, 3, 1)]
+    lp = Trainer("bf16", "tiny").logprobs(b["input_ids"], b["attention_mask"])
+    assert want["loss"] == pytest.approx(float(-(lp * b["loss_mask"][:, 1:]).sum() / n), rel=1e-5)
+
+
+def test_sft_hooks_learning_rate_and_compute_dtype():
+    tr = Trainer("bf16", "tiny", lr=1e-3, compute_dtype="float32")
+    assert all(p.dtype == torch.float32 for p in tr.params)
+    tr.set_lr(2.5e-4)
+    assert [g["lr"] for g in tr.optimizer.param_groups] == [2.5e-4]
+    assert Trainer("bf16", "tiny").params[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="compute_dtype"):
+        Trainer("bf16", "tiny", compute_dtype="float16")

@@ -35,13 +35,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import pandas as pd
 
 from minite.engines.arms import Arm, load_arm
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def _arm(name: str) -> Arm:  # arms are frozen: load (and schema-validate) each YAML once
     return load_arm(name)
 

@@ -196,7 +196,7 @@ def compare(trainer_store: dict, sampler_store: dict, positions: torch.Tensor) -
 def first_divergence(table: pd.DataFrame, threshold: float = ROUNDING_THRESHOLD) -> dict | None:
     """The first (layer, op) in execution order whose rel_err exceeds ``threshold``; None if none does."""
     d = table[table["metric"] == "rel_err"].copy()
-    d["order"] = [(layer, OPS.index(op)) for layer, op in zip(d["layer"], d["op"])]
+    d["order"] = [(layer, OPS.index(op)) for layer, op in zip(d["layer"], d["op"], strict=True)]
     for _, r in d.sort_values("order").iterrows():
         if r["value"] > threshold:
             return {"layer": int(r["layer"]), "op": r["op"], "rel_err": float(r["value"]), "threshold": threshold}

@@ -28,8 +28,7 @@ def build_engines(arm, model, device="cpu", seed: int = 0, checkpoint=None, cali
     trainer = Trainer(arm, model_cfg, device=device, seed=seed, checkpoint=checkpoint, **trainer_kwargs)
     sampler = Sampler(arm, model_cfg, device=device, max_batch=max_batch, max_seq_len=max_seq_len)
     sync_weights(trainer, sampler)
-    acts = arm.sampler.activations
-    if acts is not None and acts.scaling == "static":
+    if arm.needs_calibration:
         if calibration_prompts is None:
             g = torch.Generator().manual_seed(seed)
             hi = min(model_cfg["vocab_size"], 32)

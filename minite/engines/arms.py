@@ -76,6 +76,12 @@ class Arm:
     sampler: EngineRecipe
     raw: dict | None = None            # the validated YAML, for provenance and overrides
 
+    @property
+    def needs_calibration(self) -> bool:
+        """The sampler quantizes activations with static scales: it must calibrate once, on prompts."""
+        act = self.sampler.activations
+        return self.sampler.is_nvfp4 and act is not None and act.scaling == "static"
+
     def override(self, changes: dict[str, object], name: str | None = None) -> "Arm":
         """A copy with dotted-path fields replaced, e.g. {"sampler.activations": {...}}; re-validated."""
         raw = copy.deepcopy(self.raw)

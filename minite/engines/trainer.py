@@ -29,16 +29,16 @@ from minite.provenance import atomic_path
 
 
 def default_loss(logprobs: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Masked mean NLL over the response tokens of the *whole* batch (``batch["_n_tokens"]``)."""
+    """Summed NLL of the slice's loss tokens (``Trainer.update`` divides by the batch's loss-token count)."""
     m = batch["loss_mask"][:, 1:].to(logprobs.dtype)
-    return -(logprobs * m).sum() / batch["_n_tokens"]
+    return -(logprobs * m).sum()
 
 
 class Trainer:
     def __init__(self, arm: Arm | str, model_cfg: dict | str, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-4, micro_batch_size: int | None = None, checkpoint: str | None = None,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0,
-                 weight_cache: str | None = None):
+                 weight_cache: str | None = None, compute_dtype: str = "bfloat16"):
         self.arm = load_arm(arm) if isinstance(arm, str) else arm
         self.model_cfg = load_model_config(model_cfg)
         self.device = torch.device(device)
@@ -76,6 +76,12 @@ class Trainer:
         if r.hp_gemm == "invariant":
             self._invariant_hp_modules()
         self.model.to(self.device)
+        if compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"compute_dtype must be bfloat16 or float32, not {compute_dtype!r}")
+        if compute_dtype == "float32":
+            # the BF16 weights widened, the model computes in fp32 (CPUs without fast bf16 GEMMs); the masters
+            # and the optimizer state are fp32 either way
+            self.model.float()
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
         self.master = [p.detach().float().clone() for p in self.params]
@@ -172,18 +178,22 @@ class Trainer:
     def update(self, batch: dict, loss_fn=None) -> dict:
         """One complete learner update (forward, backward, AdamW step). See docs/ENGINES.md.
 
-        Micro-batches of ``micro_batch_size`` sequences. The default loss is the masked mean NLL over the
-        whole batch's response tokens (micro-batch invariant). A custom ``loss_fn(logprobs, batch_slice)`` is
-        taken as a per-slice mean and weighted by the slice's share of the sequences; ``batch_slice`` also
-        carries ``_n_tokens`` (response tokens in the whole batch) for losses that normalise globally.
-        Raises FloatingPointError (no step taken) when the gradient norm is NaN/Inf."""
+        The loss contract: ``loss_fn(logprobs, batch_slice)`` returns the SUM of the per-token losses over the
+        loss tokens of its micro-batch slice (``micro_batch_size`` sequences); the trainer divides every slice's
+        sum by the number of loss tokens of the whole batch (``loss_mask[:, 1:]``), so the objective is a
+        token mean whatever the slicing (with data parallelism, that count is the all-ranks total). A loss that
+        weights tokens unevenly (a per-sequence mean) folds the weights into its per-token losses; the slice
+        carries the whole batch's counts for that: ``_n_tokens`` (loss tokens) and ``_n_sequences`` (rows).
+        The default loss is the NLL (masked mean NLL of the batch). Raises FloatingPointError (no step taken)
+        when the gradient norm is NaN/Inf."""
         cuda = self.device.type == "cuda"
         r_nvfp4 = self.arm.trainer.is_nvfp4
         t_start = time.perf_counter()
         self.qstate.collect()  # drop anything timed outside updates (logprobs, export)
         batch = self._batch(batch)
         b = batch["input_ids"].shape[0]
-        n_tokens = int(batch["loss_mask"][:, 1:].sum())
+        n_tokens = max(int(batch["loss_mask"][:, 1:].sum()), 1)
+        loss_fn = loss_fn or default_loss
         self.model.train()
         for m in self.master:
             m.grad = torch.zeros_like(m) if m.grad is None else m.grad.zero_()
@@ -191,15 +201,12 @@ class Trainer:
         for sl in self._chunks(b):
             sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v)
                    for k, v in batch.items()}
-            sub["_n_tokens"] = max(n_tokens, 1)
+            sub["_n_tokens"], sub["_n_sequences"] = n_tokens, b
             lp = self._token_logprobs(sub["input_ids"], sub["attention_mask"])
-            if loss_fn is None:
-                loss = default_loss(lp, sub)
-            else:  # a per-slice mean: weight by the slice's share of the batch
-                loss = loss_fn(lp, sub) * ((sl.stop - sl.start) / b)
+            loss = loss_fn(lp, sub) / n_tokens
             loss.backward()
             total += float(loss.detach())
-            for p, m in zip(self.params, self.master):
+            for p, m in zip(self.params, self.master, strict=True):
                 if p.grad is not None:
                     m.grad.add_(p.grad)  # fp32 += bf16, promoted in place (no fp32 temporary)
                     p.grad = None
@@ -214,7 +221,8 @@ class Trainer:
                                      "(NaN/Inf); the optimizer step was not taken")
         self.optimizer.step()
         with torch.no_grad():
-            for p, m in zip(self.params, self.master):  # fp32 master -> BF16 model (round to nearest)
+            # fp32 master -> BF16 model (round to nearest)
+            for p, m in zip(self.params, self.master, strict=True):
                 p.copy_(m)
         self.qstate.bump()
         self.update_count += 1
@@ -248,6 +256,15 @@ class Trainer:
         finally:
             self.model.train(was)
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next updates (a schedule sets it before each update)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """The model's weights as a local Hugging Face checkpoint (config.json + safetensors)."""
+        self.model.save_pretrained(str(path), safe_serialization=True)
+
     # -------------------------------------------------------------------------------------------- sync
     def export_weights(self) -> dict:
         """{"form": "bf16"|"nvfp4_codes", "tensors": {hf_param_name: ...}} (docs/ENGINES.md, Sync).
@@ -275,7 +292,7 @@ class Trainer:
         state = {
             "arm": self.arm.name, "model": self.model_cfg["name"], "layers": self.model_cfg["num_hidden_layers"],
             "update_count": self.update_count, "quant_version": self.qstate.version,
-            "master": {n: m for n, m in zip(self.names, self.master)},
+            "master": {n: m for n, m in zip(self.names, self.master, strict=True)},
             "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "sr": self.qstate.generator.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -284,13 +301,13 @@ class Trainer:
             torch.save(state, f)
 
     def load(self, path: str | Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
         mine = (self.arm.name, self.model_cfg["name"], self.model_cfg["num_hidden_layers"])
         theirs = (state["arm"], state["model"], state["layers"])
         if mine != theirs:
             raise ValueError(f"checkpoint {path} is for (arm, model, layers) = {theirs}, this trainer is {mine}")
         with torch.no_grad():
-            for n, m, p in zip(self.names, self.master, self.params):
+            for n, m, p in zip(self.names, self.master, self.params, strict=True):
                 m.copy_(state["master"][n])
                 p.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])

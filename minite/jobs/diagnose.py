@@ -8,60 +8,55 @@ Writes, into ``--out`` (all files only once everything is computed; each atomica
     attribution.csv               naive -> aligned, one cause at a time (cause, order, k3_before, k3_after,
                                   delta, share); the same table for every arm (it is about the naive gap)
     attribution_subsets.csv       every cause subset's full metrics (the 32 measured arms)
-    layers_heatmap.{png,pdf}, attribution_waterfall.{png,pdf}
+The figures of these files (layer heatmap, attribution waterfall) are ``python -m minite.report figure ...``.
+
+Prompts: the held-out prompts of the task of ``--rl-config`` (without one: the arithmetic task for
+char-tokenizer models, seeded random token prompts for the others; ``minite.tasks.task_for_model``).
 """
 from __future__ import annotations
 
-import argparse
-import sys
+import json
+import logging
 import time
 from pathlib import Path
 
-from minite.diagnostics.attribution import top_causes
-from minite.diagnostics.localise import ROUNDING_THRESHOLD
-from minite.engines.arms import ArmError, load_arm
-from minite.provenance import provenance, write_csv, write_json
+from minite.jobs import common
+
+log = logging.getLogger(__name__)
+
+# settings an attribution computed by another arm's run must share with this run to be reused
+_SAME = ("model", "layers", "checkpoint", "task", "device", "max_new_tokens", "temperature", "seed")
+# files of an attribution: an older run's must not sit beside this run's results as if they were its own
+ATTRIBUTION_FILES = ("attribution.csv", "attribution_subsets.csv", "attribution_waterfall.png",
+                     "attribution_waterfall.pdf")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arm", required=True, help="arm name (configs/arms) or YAML path")
-    p.add_argument("--model", default="tiny", help="model config name (configs/models) or YAML path")
-    p.add_argument("--checkpoint", default=None, help="local HF checkpoint dir or SFT output dir (default: "
-                   "the model config's checkpoint, else seeded random init)")
-    p.add_argument("--num-layers", type=int, default=None, help="depth override (real-architecture slices)")
-    p.add_argument("--device", default="cpu")
+def add_args(p) -> None:
+    common.add_arm(p)
+    common.add_model(p)
+    common.add_checkpoint(p)
+    common.add_rl_config(p, default=None, help="the RL config whose task gives the prompts (default: the "
+                         "arithmetic task for char-tokenizer models, random token prompts for the others)")
+    common.add_device(p)
+    common.add_seed(p)
     p.add_argument("--prompts", type=int, default=16, help="prompts sampled for mismatch + localisation")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attribution", choices=("on", "off"), default="on",
                    help="run the 32-arm cause attribution (off: attribution.csv is not written)")
     p.add_argument("--attribution-prompts", type=int, default=8)
     p.add_argument("--attribution-from", default=None, metavar="DIR",
                    help="reuse the attribution another arm's diagnose run computed with the same model, "
-                        "checkpoint, seed and sampling settings (it does not depend on --arm)")
-    p.add_argument("--out", required=True, help="output directory")
-
-
-def _checkpoint(path):
-    if path is None:
-        return None
-    from minite.rl.common import init_weights_path  # accepts an SFT dir (sft.json + weights/) or a checkpoint
-    return str(init_weights_path(path))
-
-
-_SAME = ("model", "layers", "checkpoint", "device", "max_new_tokens", "temperature", "seed")
-
-
-ATTRIBUTION_FILES = ("attribution.csv", "attribution_subsets.csv", "attribution_waterfall.png",
-                     "attribution_waterfall.pdf")
+                        "checkpoint, task, seed and sampling settings (it does not depend on --arm)")
+    common.add_out(p, help="output directory")
 
 
 def _reuse_attribution(src: Path, settings: dict, args):
     """(attribution, subsets, source info) from another run's directory, refusing different settings."""
-    import json
-
     import pandas as pd
+
+    from minite.rl.spec import stored_path
+
     try:
         rec = json.loads((src / "mismatch.json").read_text())
         attr = pd.read_csv(src / "attribution.csv")
@@ -74,74 +69,70 @@ def _reuse_attribution(src: Path, settings: dict, args):
     if theirs != mine or prompts != args.attribution_prompts:
         raise ValueError(f"--attribution-from {src}: computed with other settings ({theirs}, prompts "
                          f"{prompts}) than this run ({mine}, prompts {args.attribution_prompts})")
-    return attr, subsets, {"dir": str(src), "provenance": rec.get("provenance")}
+    return attr, subsets, {"dir": stored_path(src), "provenance": rec.get("provenance")}
 
 
 def run(args) -> int:
-    from minite.diagnostics import figures
+    from minite.diagnostics.attribution import top_causes
+    from minite.diagnostics.localise import ROUNDING_THRESHOLD
     from minite.diagnostics.run import attribution_table, diagnose_arm
-    from minite.engines.models import load_model_config
+    from minite.engines.arms import load_arm
+    from minite.provenance import provenance, write_csv, write_json
+    from minite.rl.spec import stored_path, warm_start_weights
+    from minite.tasks import task_for_model
 
-    try:
-        arm = load_arm(args.arm)
-        model_cfg = load_model_config(args.model, num_layers=args.num_layers)
-        ckpt = _checkpoint(args.checkpoint)
-    except (ArmError, ValueError, FileNotFoundError) as e:
-        print(f"diagnose: {e}", file=sys.stderr)
-        return 2
+    arm, model_cfg = load_arm(args.arm), common.model_of(args)
+    cfg = common.rl_config_of(args)
+    task = task_for_model(cfg["task"] if cfg else None, model_cfg, seed=args.seed)
+    ckpt = warm_start_weights(args.checkpoint)
+    device = common.device_of(args)
     for name in ("prompts", "max_new_tokens", "attribution_prompts"):
         if getattr(args, name) < 1:
-            print(f"diagnose: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if ckpt is None and model_cfg.get("checkpoint") is None:
+        log.warning("diagnose: no --checkpoint and model %s names none: measuring a seeded RANDOM INIT, whose "
+                    "distributions are nearly flat (pass --checkpoint results/<profile>/sft for the warm start)",
+                    model_cfg["name"])
     out = Path(args.out)
     settings = {"arm": arm.name, "model": model_cfg["name"], "layers": model_cfg["num_hidden_layers"],
-                "checkpoint": ckpt, "device": args.device, "prompts": args.prompts,
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-                "rounding_threshold": ROUNDING_THRESHOLD}
+                "checkpoint": stored_path(ckpt) if ckpt else None, "task": task.config(), "device": device,
+                "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "seed": args.seed, "rounding_threshold": ROUNDING_THRESHOLD}
     t0 = time.perf_counter()
-    d = diagnose_arm(arm, model_cfg, device=args.device, seed=args.seed, checkpoint=ckpt, n_prompts=args.prompts,
-                     max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    d = diagnose_arm(arm, model_cfg, task, device=device, seed=args.seed, checkpoint=ckpt,
+                     n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     m = d["metrics"]
-    print(f"{arm.name}: k3={m['k3']:.3e} k1={m['k1']:.3e} token_mult_prob_error={m['token_mult_prob_error']:.6f} "
-          f"n_tokens={m['n_tokens']} first divergence: {d['first_divergence']}")
+    log.info("%s: k3=%.3e k1=%.3e token_mult_prob_error=%.6f n_tokens=%d first divergence: %s", arm.name,
+             m["k3"], m["k1"], m["token_mult_prob_error"], m["n_tokens"], d["first_divergence"])
     attr = subsets = reused = None
     if args.attribution == "on" and args.attribution_from:
-        try:
-            attr, subsets, reused = _reuse_attribution(Path(args.attribution_from), settings, args)
-        except ValueError as e:
-            print(f"diagnose: {e}", file=sys.stderr)
-            return 2
+        attr, subsets, reused = _reuse_attribution(Path(args.attribution_from), settings, args)
     elif args.attribution == "on":
-        attr, subsets = attribution_table(model_cfg, device=args.device, seed=args.seed, checkpoint=ckpt,
+        attr, subsets = attribution_table(model_cfg, task, device=device, seed=args.seed, checkpoint=ckpt,
                                           n_prompts=args.attribution_prompts, max_new_tokens=args.max_new_tokens,
                                           temperature=args.temperature)
-        top = top_causes(attr)
-        print("top causes of the naive gap (Shapley share of k3): "
-              + ", ".join(f"{c} {100 * s:.1f}%" for c, s in top))
+        log.info("top causes of the naive gap (Shapley share of k3): %s",
+                 ", ".join(f"{c} {100 * s:.1f}%" for c, s in top_causes(attr)))
     record = {**m, "first_divergence": d["first_divergence"],
               "score_replay_max_abs_diff": d["score_replay_max_abs_diff"],
               "captured": d["captured"], "settings": settings,
               "definitions": "minite.diagnostics.metrics (verl rollout_corr / NeMo-RL / TRL); localisation: "
                              "minite.diagnostics.localise; attribution: minite.diagnostics.attribution",
-              "wall_s": time.perf_counter() - t0, "provenance": provenance(args.device)}
+              "wall_s": time.perf_counter() - t0, "provenance": provenance(device)}
     if attr is not None:
         record["attribution_top_causes"] = [{"cause": c, "share": s} for c, s in top_causes(attr)]
         record["attribution_settings"] = {"prompts": args.attribution_prompts, "tokens": "naive sampler",
                                           "metric": "k3"}
         if reused is not None:
             record["attribution_source"] = reused
-    # figures first (they can fail on odd data); tables and the json last, so a crash leaves no partial set
-    figures.layer_heatmap(d["layers"], out / "layers_heatmap",
-                          title=f"{arm.name} ({model_cfg['name']}): relative error, trainer vs sampler")
+    # tables first, the json last: a crash leaves no mismatch.json that names files of another run
     if attr is not None:
-        figures.attribution_waterfall(attr, out / "attribution_waterfall",
-                                      title=f"{model_cfg['name']}: naive -> aligned k3, one cause at a time")
         write_csv(out / "attribution_subsets.csv", subsets)
         write_csv(out / "attribution.csv", attr)
-    else:  # an older run's attribution must not sit beside this run's results as if it were one of them
+    else:
         for name in ATTRIBUTION_FILES:
             (out / name).unlink(missing_ok=True)
     write_csv(out / "layers.csv", d["layers"])
     write_json(out / "mismatch.json", record)
-    print(f"wrote {out}/mismatch.json, layers.csv" + (", attribution.csv" if attr is not None else ""))
+    log.info("wrote %s/mismatch.json, layers.csv%s", out, ", attribution.csv" if attr is not None else "")
     return 0

@@ -5,30 +5,35 @@ and does nothing. See ``minite.rl.sft``.
 """
 from __future__ import annotations
 
-from minite.rl.cli_args import add_common, fail, load_common
+import logging
+
+from minite.jobs import common
+
+log = logging.getLogger(__name__)
 
 
 def add_args(p) -> None:
-    add_common(p)
-    p.add_argument("--out", default=None, help="output directory (default: results/<rl-config>/sft)")
+    common.add_model(p)
+    common.add_rl_config(p)
+    common.add_device(p)
+    common.add_seed(p)
+    common.add_progress(p)
+    common.add_out(p, required=False, help="output directory (default: results/<rl-config>/sft)")
     p.add_argument("--force", action="store_true", help="retrain even if the cache matches")
 
 
 def run(args) -> int:
     from minite.rl.sft import run_sft
 
-    try:
-        model_cfg, cfg, task, device = load_common(args)
-        out = args.out or f"results/{args.rl_config}/sft"
-        info = run_sft(model_cfg, cfg, task, out, seed=args.seed, device=device,
-                       progress=not args.no_progress, force=args.force)
-    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
-        return fail("sft", e)
+    spec = common.run_spec(args)
+    out = args.out or f"results/{common.rl_config_name(args)}/sft"
+    info = run_sft(spec.model_cfg, spec.cfg, spec.task, out, seed=spec.seed, device=spec.device,
+                   progress=not args.no_progress, force=args.force)
     if info["cache_hit"]:
-        print(f"sft: cache hit ({out}/sft.json, hash {info['config_hash']}); nothing to do")
+        log.info("sft: cache hit (%s/sft.json, hash %s); nothing to do", out, info["config_hash"])
     else:
         a, b = info["heldout_before"], info["heldout_after"]
-        print(f"sft: {info['steps']} steps in {info['seconds']:.1f}s; held-out expected accuracy "
-              f"{a['expected_acc']:.4f} -> {b['expected_acc']:.4f} (greedy-certain {b['greedy_certain']:.3f}); "
-              f"wrote {out}/sft.json")
+        log.info("sft: %d steps in %.1fs; held-out expected accuracy %.4f -> %.4f (greedy-certain %.3f); "
+                 "wrote %s/sft.json", info["steps"], info["seconds"], a["expected_acc"], b["expected_acc"],
+                 b["greedy_certain"], out)
     return 0

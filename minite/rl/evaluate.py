@@ -9,6 +9,7 @@ the RL run's random state. Rows: arm, step, k, mean_at_k, pass_at_k, n_prompts, 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,41 +17,42 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from minite.engines.sync import sync_weights
 from minite.provenance import provenance, write_csv
-from minite.rl.common import build_rl_engines, rollout
-from minite.rl.stability import checkpoints
+from minite.rl.checkpoints import checkpoints
+from minite.rl.rollout import rollout
+from minite.rl.spec import RunSpec, resolve_stored_path
 
 COLUMNS = ["arm", "step", "k", "mean_at_k", "pass_at_k", "n_prompts", "temperature", "sha", "device", "date"]
 
 
-def evaluate_run(arm, model_cfg: dict, cfg: dict, task, run_dir, out_csv, *, init=None, seed: int = 0,
-                 device: str = "cpu", steps: list[int] | None = None, progress: bool = True) -> pd.DataFrame:
-    """Evaluate the checkpoints of ``run_dir`` (and step 0 = ``init``) and write ``out_csv`` atomically."""
+def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = None,
+                 progress: bool = True) -> pd.DataFrame:
+    """Evaluate the checkpoints of ``run_dir`` (and step 0 = the warm start) and write ``out_csv`` atomically.
+    Without ``spec.init`` the warm start is the one the run's run.json names."""
     run_dir = Path(run_dir)
     meta = run_dir / "run.json"
-    if init is None and meta.is_file():
+    if spec.init is None and meta.is_file():
         init = json.loads(meta.read_text()).get("init")
-    ev, rl = cfg["eval"], cfg["rl"]
+        spec = dataclasses.replace(spec, init=resolve_stored_path(init) if init else None)
+    arm, task, model_cfg, seed, device = spec.arm, spec.task, spec.model_cfg, spec.seed, spec.device
+    ev = spec.cfg["eval"]
     problems = task.heldout(ev["n_prompts"])
     k = int(ev["k"])
     cks = checkpoints(run_dir)
-    todo = ([(0, None)] if init is not None or model_cfg.get("checkpoint") or not cks else []) + cks
+    todo = ([(0, None)] if spec.init is not None or model_cfg.get("checkpoint") or not cks else []) + cks
     if steps is not None:
         todo = [(s, p) for s, p in todo if s in set(steps)]
     if not todo:
         raise FileNotFoundError(f"{run_dir}: no checkpoints to evaluate (run `python -m minite rl` first)")
-    calib = [task.encode_prompt(p) for p in task.train_batch(0, rl["prompts_per_step"] * rl["group_size"],
-                                                              stream="calib")]
     chunk = max(1, min(len(problems), 256 // k))          # prompts per generate call (x k samples)
-    trainer, sampler, sync = build_rl_engines(
-        arm, model_cfg, device=device, seed=seed, lr=rl["lr"], init=init, max_batch=chunk * k,
-        max_seq_len=task.max_prompt_len + ev["max_new_tokens"], calib_prompts=calib)
+    trainer, sampler = spec.engines(max_batch=chunk * k, max_seq_len=task.max_prompt_len + ev["max_new_tokens"])
     prov = provenance(device)
     rows = []
     for step, path in tqdm(todo, desc=f"eval {arm.name}", disable=not progress, unit="ckpt"):
         if path is not None:
             trainer.load(str(path / "trainer"))
-            sync(trainer, sampler)
+            sync_weights(trainer, sampler)
         gen = torch.Generator(device=device).manual_seed(10_007 * seed + step)
         correct = []
         for i in range(0, len(problems), chunk):

@@ -25,13 +25,13 @@ Policy loss per response token t (PPO clipping with DAPO's decoupled "clip-highe
   k3 = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1 >= 0); ``beta = 0`` by default (DAPO, Dr. GRPO).
 
 Aggregation: ``agg="token-mean"`` (default, DAPO): sum of L_t over every response token of the batch divided
-by the number of response tokens, so long responses weigh per token, not per sequence.
+by the number of response tokens N, so long responses weigh per token, not per sequence.
 ``agg="seq-mean-token-mean"`` (the original GRPO objective): mean over each response's tokens, then mean over
-responses. Under micro-batching the trainer calls the loss per slice: when the batch carries
-``loss_denominator`` (the whole batch's token count, or sequence count for seq-mean, per row) the slice
-returns sum / denominator, its exact share of the full-batch loss. ``Trainer.update`` weights a custom
-slice loss by the slice's share of rows, which the RL loop divides back out
-(``minite.rl.stability._undo_slice_weighting``), so micro-batching never changes the objective
+the S responses. Both fit the trainer's loss contract (``Trainer.update``: a slice returns the SUM of its
+per-token losses, the trainer divides by the whole batch's N): token-mean returns sum_t L_t as is; seq-mean
+weights each token of response i by N / (S * n_i) (n_i its response tokens), so that sum / N is the mean over
+responses of their token means. N and S come from the trainer (``_n_tokens``, ``_n_sequences``: the whole
+batch's counts), so micro-batching never changes the objective
 (tests/test_rl_loop.py::test_micro_batching_gives_the_full_batch_token_mean).
 
 Alignment: the trainer's ``logprobs`` are [B, T-1] for tokens 1..T-1; ``loss_mask`` is [B, T] on token
@@ -61,11 +61,13 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
     return adv.to(torch.float32)
 
 
-def grpo_loss(logprobs: torch.Tensor, batch: dict, *, clip_low: float = 0.2, clip_high: float = 0.2,
-              beta: float = 0.0, tis_cap: float | None = None, agg: str = "token-mean") -> torch.Tensor:
-    """The GRPO loss of one (micro-)batch. ``logprobs`` [B, T-1] with grad; batch keys: ``loss_mask`` [B, T],
-    ``old_logprobs`` [B, T-1], ``advantages`` [B]; ``sampler_logprobs`` [B, T-1] when tis_cap is set;
-    ``ref_logprobs`` [B, T-1] when beta > 0; optional ``loss_denominator`` [B]."""
+def token_loss_sum(logprobs: torch.Tensor, batch: dict, *, clip_low: float = 0.2, clip_high: float = 0.2,
+                   beta: float = 0.0, tis_cap: float | None = None, agg: str = "token-mean") -> torch.Tensor:
+    """The GRPO loss of one micro-batch slice under the trainer's contract: the sum of its per-token losses
+    (weighted per response for seq-mean, module docstring). ``logprobs`` [B, T-1] with grad; batch keys:
+    ``loss_mask`` [B, T], ``old_logprobs`` [B, T-1], ``advantages`` [B]; ``sampler_logprobs`` [B, T-1] when
+    tis_cap is set; ``ref_logprobs`` [B, T-1] when beta > 0; ``_n_tokens`` and ``_n_sequences`` (the whole
+    batch's counts, set by ``Trainer.update``) for seq-mean."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r}; choose from {AGGREGATIONS}")
     mask = batch["loss_mask"][:, 1:].to(logprobs.dtype)
@@ -88,13 +90,17 @@ def grpo_loss(logprobs: torch.Tensor, batch: dict, *, clip_low: float = 0.2, cli
 
     per_tok = per_tok * mask
     if agg == "token-mean":
-        if "loss_denominator" in batch:
-            return per_tok.sum() / batch["loss_denominator"].reshape(-1)[0].to(logprobs)
-        return per_tok.sum() / mask.sum().clamp_min(1.0)
+        return per_tok.sum()
     per_seq = per_tok.sum(1) / mask.sum(1).clamp_min(1.0)
-    if "loss_denominator" in batch:                         # here: the whole batch's number of sequences
-        return per_seq.sum() / batch["loss_denominator"].reshape(-1)[0].to(logprobs)
-    return per_seq.mean()
+    return per_seq.sum() * (batch["_n_tokens"] / batch["_n_sequences"])
+
+
+def grpo_loss(logprobs: torch.Tensor, batch: dict, **hyper) -> torch.Tensor:
+    """The GRPO objective of a whole batch (``token_loss_sum`` over it / its loss tokens): the number the
+    trainer's update reports for that batch."""
+    n_tokens = float(batch["loss_mask"][:, 1:].sum().clamp_min(1))
+    counts = {"_n_tokens": n_tokens, "_n_sequences": logprobs.shape[0]}
+    return token_loss_sum(logprobs, {**batch, **counts}, **hyper) / n_tokens
 
 
 def tis_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
@@ -107,10 +113,10 @@ def tis_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap:
 
 def make_loss_fn(clip_low: float = 0.2, clip_high: float = 0.2, beta: float = 0.0,
                  tis_cap: float | None = None, agg: str = "token-mean"):
-    """``loss_fn(logprobs, batch)`` for ``Trainer.update`` with the hyper-parameters bound."""
+    """``loss_fn(logprobs, batch_slice)`` for ``Trainer.update`` (``token_loss_sum``, hyper-parameters bound)."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r}; choose from {AGGREGATIONS}")
     if tis_cap is not None:
         tis_weights(torch.zeros(1), torch.zeros(1), tis_cap)  # validate early
-    return functools.partial(grpo_loss, clip_low=clip_low, clip_high=clip_high, beta=beta,
+    return functools.partial(token_loss_sum, clip_low=clip_low, clip_high=clip_high, beta=beta,
                              tis_cap=tis_cap, agg=agg)

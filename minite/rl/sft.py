@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from minite.provenance import provenance, write_json
 from minite.rl.config import config_hash
-from minite.rl.task import sft_batch
+from minite.tasks import sft_batch
 
 
 def sft_key(model_cfg: dict, cfg: dict, task, seed: int) -> dict:
@@ -61,24 +61,21 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     s = cfg["sft"]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trainer = Trainer("bf16", model_cfg, device=device, seed=seed, lr=s["lr"],
-                      micro_batch_size=s["micro_batch_size"])
+    # CPUs without bf16 GEMMs run the bf16 model ~3x slower than fp32; the warm start is shared by all arms
+    # (not part of the comparison), so on CPU it computes in fp32. The masters are fp32 anyway; the saved
+    # weights are loaded as BF16 by every arm's trainer.
     dtype = compute_dtype(s.get("compute_dtype", "auto"), device)
-    if dtype == "float32":
-        # CPUs without bf16 GEMMs run the bf16 model ~3x slower than fp32; the warm start is shared by all
-        # arms (not part of the comparison), so on CPU it computes in fp32. The masters are fp32 anyway;
-        # the saved weights are loaded as BF16 by every arm's trainer.
-        trainer.model.float()
+    trainer = Trainer("bf16", model_cfg, device=device, seed=seed, lr=s["lr"],
+                      micro_batch_size=s["micro_batch_size"], compute_dtype=dtype)
     heldout = task.heldout(s["eval_prompts"])
     before = evaluate_teacher_forced(trainer, task, heldout)
     losses = []
     n = int(s["steps"])
-    # cosine decay to 10% of lr: a short run at a high lr needs the anneal to settle (linear warm-up 5%)
-    sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda i: _lr_factor(i, n))
     bar = tqdm(range(n), desc="sft", disable=not progress, unit="step")
     for step in bar:
+        # cosine decay to 10% of lr: a short run at a high lr needs the anneal to settle (linear warm-up 5%)
+        trainer.set_lr(s["lr"] * _lr_factor(step, n))
         stats = trainer.update(sft_batch(task, task.train_batch(step, s["batch_size"], stream="sft")))
-        sched.step()
         losses.append(float(stats["loss"]))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"SFT diverged at step {step}: loss {losses[-1]}")
@@ -90,12 +87,12 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     if n > 0 or model_cfg.get("checkpoint") is None:
         tmp = out / ".weights.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        trainer.model.save_pretrained(str(tmp), safe_serialization=True)
+        trainer.save_pretrained(tmp)
         shutil.rmtree(out / "weights", ignore_errors=True)
         tmp.rename(out / "weights")
         weights = "weights"
-    info = {"config_hash": h, "weights": weights, "compute_dtype": dtype, "model": model_cfg.get("name"), "task": task.config(),
-            "sft": s, "seed": seed, "steps": n, "final_loss": losses[-1] if losses else None,
+    info = {"config_hash": h, "weights": weights, "compute_dtype": dtype, "model": model_cfg.get("name"),
+            "task": task.config(), "sft": s, "seed": seed, "steps": n, "final_loss": losses[-1] if losses else None,
             "loss_first10": sum(losses[:10]) / max(len(losses[:10]), 1) if losses else None,
             "loss_last10": sum(losses[-10:]) / max(len(losses[-10:]), 1) if losses else None,
             "heldout_before": before, "heldout_after": after, "seconds": time.perf_counter() - t0,

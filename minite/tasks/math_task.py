@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minite.rl.task import Problem, TaskError
+from minite.tasks.base import Problem, Task, TaskError
 
 _INSTALL = "install the optional extra: pip install 'minite[math]' (datasets, math-verify)"
 
@@ -94,7 +94,7 @@ def math_equal(response_text: str, gold: str) -> bool:
     return bool(gold_parsed) and bool(pred) and bool(mv.verify(gold_parsed, pred))
 
 
-class MathTask:
+class MathTask(Task):
     kind = "math"
 
     def __init__(self, path, prompt_field: str = "problem", answer_field: str = "answer",
@@ -112,7 +112,8 @@ class MathTask:
         self.eos_id = self.tok.eos_id
         self.path, self.seed, self.template = str(path), int(seed), template
         self.prompt_field, self.answer_field = prompt_field, answer_field
-        self.heldout_frac, self.n_heldout, self.max_prompt_len = float(heldout_frac), int(n_heldout), int(max_prompt_tokens)
+        self.heldout_frac, self.n_heldout = float(heldout_frac), int(n_heldout)
+        self.max_prompt_len = int(max_prompt_tokens)
         self._key = f"minite-math-{self.seed}".encode()
         self._perm: tuple[int, list[int]] = (-1, [])
         rows = [r for r in load_rows(path, prompt_field, answer_field)

@@ -18,26 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
 
 import torch
 
-from minite.tokenizer import BOS, EOS, PAD, CharTokenizer
+from minite.tasks.base import Problem, Task, TaskError
+from minite.tokenizer import EOS, CharTokenizer
 
 OPS = ("+", "-", "*", "/")
 
 
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
-
-
-class TaskError(ValueError):
-    """A malformed task configuration or data source."""
-
-
-class ArithmeticTask:
+class ArithmeticTask(Task):
     """Multi-digit arithmetic ("12+34=" -> "46") with a deterministic held-out split."""
 
     kind = "arithmetic"
@@ -132,36 +122,3 @@ class ArithmeticTask:
     def decode(self, response_ids) -> str:
         return self.tokenizer.decode(response_ids)
 
-
-def sft_batch(task, problems: list[Problem]) -> dict:
-    """Teacher-forcing batch for the trainer: prompt + answer + EOS, right-padded with PAD; loss on the
-    answer tokens and EOS (``loss_mask[b, t] = 1`` means token t is trained, predicted from tokens < t)."""
-    seqs, masks = [], []
-    for p in problems:
-        pr, an = task.encode_prompt(p), task.encode_answer(p)
-        seqs.append(pr + an)
-        masks.append([0] * len(pr) + [1] * len(an))
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), PAD, dtype=torch.long)
-    att = torch.zeros((len(seqs), T), dtype=torch.long)
-    lm = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        att[i, : len(s)] = 1
-        lm[i, : len(m)] = torch.tensor(m)
-    return {"input_ids": ids, "attention_mask": att, "loss_mask": lm}
-
-
-def build_task(cfg: dict, seed: int = 0, tokenizer=None):
-    """A task from the ``task:`` block of an RL config (``kind: arithmetic`` or ``kind: math``)."""
-    cfg = dict(cfg or {})
-    kind = cfg.pop("kind", "arithmetic")
-    if kind == "arithmetic":
-        return ArithmeticTask(seed=seed, **cfg)
-    if kind == "math":
-        from minite.rl.math_task import MathTask
-        return MathTask(seed=seed, tokenizer=tokenizer, **cfg)
-    raise TaskError(f"unknown task kind {kind!r} (arithmetic | math)")
-
-
-__all__ = ["ArithmeticTask", "Problem", "TaskError", "build_task", "sft_batch", "BOS", "EOS", "PAD"]
