@@ -1,0 +1,132 @@
+"""The decode-regime NVFP4 GEMM (few token rows: dense M <= 64, grouped with few rows per expert) as a CUDA
+kernel (``decode_gemm.cu``), built on first use with ``torch.utils.cpp_extension.load_inline``.
+
+Why CUDA here: at M <= 16 the whole cost is streaming the packed weight and one fp16 -> fp32 mma chain per
+16 weight rows. Triton 3.6 puts an in-loop decoded tile through shared memory with one 16-bit store per
+element before the dot (bank-conflicted, ~1.4 us per 128-wide K step); the CUDA kernel decodes straight into
+the mma.sync fragment registers (see the .cu header). It feeds the same fp16 values to the same mma in the
+same K order as the Triton kernels, so a first-use probe (``gemm``) can prove it bit-equal to them; without
+nvcc, on a GPU older than sm_80, or when the build fails, callers get ``None`` from ``module()`` and use
+the Triton path (a warning says why, once). ``_decode_twin`` mirrors its fragment layout on CPU for tests.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_gemm.cu")
+STEP_K = 128         # K per step (the kernels' BK)
+ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
+TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
+_DECL = """
+int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
+                           int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
+                           int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
+                           int64_t grid_y, int64_t tile_expert, int64_t tile_row, int64_t offsets, int64_t n_tiles,
+                           int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream);
+"""
+_OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+DEPTHS = (4, 8)     # cp.async ring depths compiled in
+TILES = (1, 2, 4)   # n8 token tiles per CTA compiled in
+
+
+def enabled() -> bool:
+    """False when MINITE_KERNELS_CUDA=0 (then the Triton kernels serve every M)."""
+    return os.environ.get("MINITE_KERNELS_CUDA", "1") != "0"
+
+
+def arch_flag(cap: tuple[int, int]) -> str:
+    major, minor = cap
+    return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def module(cap: tuple[int, int]):
+    """The built extension for a device of compute capability ``cap``, or None (reason warned once)."""
+    if not enabled():
+        return None
+    if cap < (8, 0):
+        return _unavailable(f"mma.sync m16n8k16 needs sm_80 or newer (device is sm_{cap[0]}{cap[1]})")
+    from torch.utils import cpp_extension
+    nvcc = Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+    if not nvcc.exists():
+        return _unavailable("no nvcc found (set CUDA_HOME)")
+    kw = {}
+    if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
+        kw["no_implicit_headers"] = True  # the kernel needs no torch headers: a faster build
+    try:
+        return cpp_extension.load_inline(
+            name=f"minite_decode_gemm_sm{cap[0]}{cap[1]}", cpp_sources=[_DECL], cuda_sources=[SOURCE.read_text()],
+            functions=["decode_gemm_launch"], extra_cuda_cflags=["-O3", "-std=c++17", arch_flag(cap)],
+            verbose=False, **kw)
+    except Exception as exc:  # compiler missing pieces, or a build error
+        return _unavailable(f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")
+
+
+def _unavailable(why: str):
+    warnings.warn(f"minite.kernels: the CUDA decode GEMM is unavailable: {why}; using the Triton kernels",
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
+def supports(k: int, n: int, *tensors: torch.Tensor) -> bool:
+    """Shapes and alignments the kernel takes: K in whole 128-wide steps, N in whole 16-row warps, code rows
+    and bases 16-byte aligned (cp.async / 16-byte token loads), scale rows 8-byte aligned."""
+    return k % STEP_K == 0 and n % ROWS_PER_WARP == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _seg(cfg: dict, nt: int, warps: int) -> int:
+    """K steps per token-fragment segment: the requested one, capped so one segment's token units
+    (seg * 32 * nt) fit two per thread."""
+    return max(1, min(cfg.get("SEG", 4), (2 * warps) // nt))
+
+
+def _check(cfg: dict) -> tuple[int, int, int]:
+    nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
+    if nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or 2 * warps < nt:
+        raise ValueError(f"bad CUDA decode GEMM config {cfg}")
+    return nt, depth, warps
+
+
+def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, sched=None, strides=(0, 0, 0)):
+    nt, depth, warps = _check(cfg)
+    te = tr = offs = nvalid = 0
+    if sched is not None:
+        te, tr, offs, nvalid = (t.data_ptr() for t in sched)
+    rc = mod.decode_gemm_launch(
+        a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
+        gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
+        int(gw.dim() >= (2 if sched is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps,
+        _seg(cfg, nt, warps), grid_y, te, tr, offs, nvalid, *strides, torch.cuda.current_stream(out.device).cuda_stream)
+    if rc != 0:
+        raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
+    return out
+
+
+def dense(mod, a, w, out, bias, cfg: dict) -> torch.Tensor:
+    """out[M, N] = a @ w.T (a, w NVFP4; ``out`` preallocated). Grid: weight-row groups x token tiles."""
+    m, k = a.shape
+    n = w.shape[0]
+    ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
+    b32 = None if bias is None else bias.to(torch.float32).contiguous()
+    grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
+    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y)
+
+
+def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, schedule) -> torch.Tensor:
+    """Grouped form: ``schedule`` = ``gemm._tile_schedule(offsets, M, 8 * NT)`` + the valid tile count."""
+    m, k = a.shape
+    e, n, _ = ex.shape
+    tile_e, tile_r, bound, n_valid = schedule
+    ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
+    groups_x = -(-(n // ROWS_PER_WARP) // cfg["W"])
+    grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))  # CTAs loop over the valid tiles
+    offs32 = offsets.to(torch.int32).contiguous()
+    strides = (ex.codes.stride(0), ex.scales.stride(0), gw.stride(0))
+    sched = (tile_e, tile_r, offs32, n_valid)
+    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, sched, strides)

@@ -1,0 +1,151 @@
+"""CPU twin of ``decode_gemm.cu``: the same gathers, bit operations and fragment indexing, in PyTorch, so
+tests without a GPU can check what each lane hands to each mma.
+
+``weight_operand`` / ``token_operand`` rebuild, from the per-lane fragments exactly as the kernel forms them
+(PTX ISA layout of mma.m16n8k16 .f16 operands), the [rows, 128] fp16 tile of one K step in the order the
+mma consumes it (eight k16 pieces: the evens, then the odds). Tests compare that bitwise with
+``weights.decode_f16`` (the order the Triton kernels feed), and ``gemm`` (float64 over those fragments)
+with the reference. The bit helpers take int64 tensors holding unsigned 32-bit values.
+"""
+from __future__ import annotations
+
+import torch
+
+ROW_STEP_BYTES = 64  # codes of one row per 128-wide K step
+
+
+def spread(pair16: torch.Tensor) -> torch.Tensor:
+    """__byte_perm(v, 0, 0x4140): byte 0 -> bits 0-7, byte 1 -> bits 16-23."""
+    return (pair16 & 0xFF) | (((pair16 >> 8) & 0xFF) << 16)
+
+
+def evens(y: torch.Tensor) -> torch.Tensor:
+    return ((y << 9) & 0x0E000E00) | ((y << 12) & 0x80008000)
+
+
+def odds(y: torch.Tensor) -> torch.Tensor:
+    return ((y << 5) & 0x0E000E00) | ((y << 8) & 0x80008000)
+
+
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 fp16x2 bits -> fp16 [..., 2] (low half first, as in the register)."""
+    lo = (bits & 0xFFFF).to(torch.int32).to(torch.int16)
+    hi = ((bits >> 16) & 0xFFFF).to(torch.int32).to(torch.int16)
+    return torch.stack([lo, hi], -1).view(torch.float16)
+
+
+def scales2(pair16: torch.Tensor) -> torch.Tensor:
+    """Two E4M3 bytes -> fp16 [..., 2] {s_lo, s_hi}: bits (e & 0x7F) << 7 (= s * 2^-8), times 256 in fp16."""
+    return _halves(spread(pair16 & 0x7F7F) << 7) * torch.tensor(256.0, dtype=torch.float16)
+
+
+def scaled(pair_bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """__hmul2(pair, {s, s}): fp16 [..., 2] (exact products)."""
+    return _halves(pair_bits) * s[..., None]
+
+
+def _u16(buf: torch.Tensor, off) -> torch.Tensor:
+    """Little-endian u16 at byte offsets ``off`` of a uint8 buffer (last dim)."""
+    b = buf.to(torch.int64)
+    return b[..., off] | (b[..., off + 1] << 8)
+
+
+def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step: int) -> torch.Tensor:
+    """fp16 [8 pieces, 32 lanes, 4 regs, 2] of one warp (rows row0..row0+15) for K step ``step``: the ring slot
+    holds each row's 64 code bytes and 8 scale bytes; lane (g, t) gathers u16s at 16 pc + 2t and 16 pc + 8 + 2t
+    of rows g and g + 8, and the u16 pc of each row's scale bytes."""
+    slot = codes[row0:row0 + 16, step * ROW_STEP_BYTES:(step + 1) * ROW_STEP_BYTES]
+    sc = scales.view(torch.uint8)[row0:row0 + 16, step * 8:(step + 1) * 8]
+    out = torch.empty(8, 32, 4, 2, dtype=torch.float16)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for pc in range(4):
+            y = [spread(_u16(slot[g], 16 * pc + 2 * t)), spread(_u16(slot[g + 8], 16 * pc + 2 * t)),
+                 spread(_u16(slot[g], 16 * pc + 8 + 2 * t)), spread(_u16(slot[g + 8], 16 * pc + 8 + 2 * t))]
+            s_g, s_g8 = scales2(_u16(sc[g], 2 * pc)), scales2(_u16(sc[g + 8], 2 * pc))
+            s = [s_g[0], s_g8[0], s_g[1], s_g8[1]]  # block 2pc for positions 2t.., block 2pc+1 for 2t+8..
+            for half, fn in ((0, evens), (1, odds)):
+                for r in range(4):
+                    out[half * 4 + pc, lane, r] = scaled(fn(y[r]), s[r])
+    return out
+
+
+def b_index(sl: int, j: int, piece: int, lane: int, r: int, nt: int) -> int:
+    return ((((sl * nt + j) * 4 + (piece >> 1)) * 32 + lane) << 2) + ((piece & 1) << 1) + r
+
+
+def token_fragments(codes: torch.Tensor, scales: torch.Tensor, m0: int, m_end: int, step: int,
+                    nt: int) -> torch.Tensor:
+    """fp16 [8 pieces, nt tiles, 32 lanes, 2 regs, 2] read back by the warps, after ``store_tokens`` wrote them
+    (units of one row, one piece: 16 code bytes + 2 scale bytes) into the segment buffer (one step here)."""
+    buf = torch.zeros(nt * 4 * 32 * 4, 2, dtype=torch.float16)  # u32 words as fp16 pairs
+    for m in range(8 * nt):
+        row = m0 + m
+        for piece in range(4):
+            if row < m_end:
+                chunk = codes[row, step * ROW_STEP_BYTES + 16 * piece:step * ROW_STEP_BYTES + 16 * piece + 16]
+                sc = _u16(scales.view(torch.uint8)[row], step * 8 + 2 * piece)
+            else:
+                chunk, sc = torch.zeros(16, dtype=torch.uint8), torch.tensor(0)
+            s = scales2(sc)
+            j, g = m >> 3, m & 7
+            for t in range(4):
+                ylo, yhi = spread(_u16(chunk, 2 * t)), spread(_u16(chunk, 8 + 2 * t))
+                lane = g * 4 + t
+                for p, fn in ((piece, evens), (4 + piece, odds)):
+                    buf[b_index(0, j, p, lane, 0, nt)] = scaled(fn(ylo), s[0])
+                    buf[b_index(0, j, p, lane, 1, nt)] = scaled(fn(yhi), s[1])
+    out = torch.empty(8, nt, 32, 2, 2, dtype=torch.float16)
+    for piece in range(8):
+        for j in range(nt):
+            for lane in range(32):
+                quad = b_index(0, j, piece & ~1, lane, 0, nt)  # the 16-byte load of the piece pair
+                words = buf[quad:quad + 4]
+                out[piece, j, lane] = words[:2] if piece % 2 == 0 else words[2:]
+    return out
+
+
+def weight_operand(frags: torch.Tensor) -> torch.Tensor:
+    """[8, 32, 4, 2] A fragments -> fp16 [16 rows, 128]: reg k, half h of lane (g, t) is row g + 8 (k & 1),
+    position 2t + h + 8 (k >> 1) of its piece (PTX ISA, mma.m16n8k16, A .f16 row-major)."""
+    out = torch.empty(16, 128, dtype=torch.float16)
+    for piece in range(8):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for k in range(4):
+                for h in range(2):
+                    out[g + 8 * (k & 1), 16 * piece + 2 * t + h + 8 * (k >> 1)] = frags[piece, lane, k, h]
+    return out
+
+
+def token_operand(frags: torch.Tensor) -> torch.Tensor:
+    """[8, nt, 32, 2, 2] B fragments -> fp16 [8 nt tokens, 128]: reg r, half h of lane (g, t) in tile j is token
+    8j + g, position 2t + h + 8r (PTX ISA, mma.m16n8k16, B .f16 column-major)."""
+    nt = frags.shape[1]
+    out = torch.empty(8 * nt, 128, dtype=torch.float16)
+    for piece in range(8):
+        for j in range(nt):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for r in range(2):
+                    for h in range(2):
+                        out[8 * j + g, 16 * piece + 2 * t + h + 8 * r] = frags[piece, j, lane, r, h]
+    return out
+
+
+def gemm(a, w, nt: int = 2) -> torch.Tensor:
+    """a @ w.T in float64 from the kernel's fragments (tiles of 16 weight rows x 8 nt tokens), both global
+    scales and the 2^28 applied after: the kernel's result up to fp32 rounding (for reference tests)."""
+    m, k = a.shape
+    n = w.shape[0]
+    acc = torch.zeros(m, n, dtype=torch.float64)
+    for row0 in range(0, n, 16):
+        for m0 in range(0, m, 8 * nt):
+            m_end = min(m, m0 + 8 * nt)
+            for step in range(k // 128):
+                wa = weight_operand(weight_fragments(w.codes, w.scales, row0, step)).double()
+                tb = token_operand(token_fragments(a.codes, a.scales, m0, m_end, step, nt)).double()
+                acc[m0:m_end, row0:row0 + 16] += (tb @ wa.T)[:m_end - m0]
+    ga = a.global_scale.double().reshape(-1, 1) if a.global_scale.dim() else a.global_scale.double()
+    gw = w.global_scale.double().reshape(1, -1) if w.global_scale.dim() else w.global_scale.double()
+    return acc * 2.0 ** 28 * ga * gw

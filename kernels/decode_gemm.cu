@@ -1,0 +1,405 @@
+// NVFP4 W4A4 GEMM for few token rows (decode): out[m, n] = sum_k a[m, k] * w[n, k], both operands NVFP4.
+//
+// Same arithmetic as the Triton kernels (kernels/_triton_gemm.py), so rows are bit-equal to theirs:
+//   * every element decoded exactly to fp16: e2m1 * 2^-14 (bits (sign << 15) | (mag << 9)) times its E4M3
+//     block scale (bits (e4m3 & 0x7F) << 7 = s * 2^-8, times 256): exact products, no rounding;
+//   * K in 128-wide steps; each step = its 64 even-K elements (low nibbles) as four k16 pieces, then its 64
+//     odd-K ones (high nibbles): eight fp16 -> fp32 mma.m16n8k16 chained on one accumulator, from K = 0 up;
+//   * position i of piece p is element 16p + i of the step's evens (odds): the layout Triton's dot feeds;
+//   * epilogue ((acc * 2^28) * ga) * gw (+ bias), each an IEEE fp32 operation (no contraction), then the cast.
+// Data flow per warp (16 weight rows of the mma's M side; tokens are its N side, 8 per n8 tile):
+//   * the weight's packed bytes, in their original [N, K/2] layout, reach shared memory through cp.async
+//     (each lane copies 16 B of one row per step: coalesced, no registers held in flight); each lane then
+//     gathers the 2-byte pairs its mma fragment needs (row pitch padded: no bank conflicts), decodes them
+//     in registers (byte_perm + 2 shifts + 1 lop3 per fp16 pair, one hmul2 by the scale) and issues mma;
+//   * the token fragments are decoded once per CTA per segment of steps into shared memory (double
+//     buffered, one __syncthreads per segment) and read back with conflict-free 16-byte loads.
+// No split of K: a row's K order is the one above whatever M is, so batch invariance holds by construction
+// (and the first-use probe checks bit equality with the Triton path on the GPU).
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace minite_decode {
+
+constexpr int kStepBytes = 64;               // codes of one row per 128-wide K step
+constexpr int kRowPitch = 80;                // shared-memory pitch of one row's step (64 + 16: conflict-free)
+constexpr int kSlotBytes = 16 * kRowPitch + 16 * 8;  // one warp's step: 16 rows of codes + 16 x 8 scale bytes
+
+struct Params {
+  const uint8_t* a_codes;   // [M, K/2]
+  const uint8_t* a_scales;  // [M, K/16] e4m3 bytes
+  const float* ga;          // [M] or [1]
+  const uint8_t* w_codes;   // [(E,) N, K/2]
+  const uint8_t* w_scales;  // [(E,) N, K/16]
+  const float* gw;          // [(E,) N] or [(E,)] / [1]
+  const float* bias;        // [N] fp32 or null
+  void* out;                // [M, N] bf16 / fp16 / fp32
+  int M, N, K;
+  int ga_row, gw_row, out_kind;  // out_kind: 0 bf16, 1 fp16, 2 fp32
+  int seg;                       // K steps per token-fragment segment
+  // grouped: tile t covers rows tile_row[t] .. min(tile_row[t] + 8 NT, offsets[e + 1]) of expert tile_expert[t]
+  const int* tile_expert;
+  const int* tile_row;
+  const int* offsets;
+  const int64_t* n_tiles;        // number of valid tiles (device scalar)
+  int64_t w_estride_c, w_estride_s, gw_estride;
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// y = byte0 | byte1 << 16 of a 16-bit pair (one byte = an even-K element in its low nibble, the next odd-K
+// element in its high nibble)
+__device__ __forceinline__ uint32_t spread(uint32_t pair16) { return __byte_perm(pair16, 0u, 0x4140); }
+
+// fp16x2 bits of the two low (even-K) / high (odd-K) nibbles of spread() output: e2m1 * 2^-14, exact
+__device__ __forceinline__ uint32_t evens(uint32_t y) {
+  return ((y << 9) & 0x0E000E00u) | ((y << 12) & 0x80008000u);
+}
+__device__ __forceinline__ uint32_t odds(uint32_t y) {
+  return ((y << 5) & 0x0E000E00u) | ((y << 8) & 0x80008000u);
+}
+
+// two E4M3 scale bytes (blocks 2p, 2p+1) -> fp16x2 {s_2p, s_2p+1}, exact
+__device__ __forceinline__ __half2 scales2(uint32_t pair16) {
+  uint32_t bits = spread(pair16 & 0x7F7Fu) << 7;
+  __half2 h = *reinterpret_cast<__half2*>(&bits);
+  return __hmul2(h, __floats2half2_rn(256.0f, 256.0f));
+}
+
+__device__ __forceinline__ uint32_t scaled(uint32_t pair_bits, __half2 s) {
+  __half2 v = __hmul2(*reinterpret_cast<__half2*>(&pair_bits), s);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Token fragments of one segment in shared memory, as u32 words:
+//   [step in segment][n8 tile j][piece pair q = P / 2][lane][4]  with word (P % 2) * 2 + r,
+// P = piece (0..3 evens, 4..7 odds), r = fragment register (0: positions 2t, 2t+1; 1: positions 2t+8, 2t+9).
+template <int NT>
+__device__ __forceinline__ int b_index(int sl, int j, int piece, int lane, int r) {
+  return ((((sl * NT + j) * 4 + (piece >> 1)) * 32 + lane) << 2) + ((piece & 1) << 1) + r;
+}
+
+// One unit of token decoding: token row m (of the tile), step sl (of the segment), piece p: 16 code bytes and
+// the two scale bytes of blocks 2p, 2p+1 -> the evens piece p and odds piece p fragments of the 4 lanes t.
+struct TokenUnit {
+  uint4 codes;
+  uint32_t sc;
+};
+
+template <int NT>
+__device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, int unit, int m0, int m_end,
+                                            int s_begin, int s_end) {
+  const int piece = unit & 3;
+  const int m = (unit >> 2) % (8 * NT);
+  const int sl = (unit >> 2) / (8 * NT);
+  const int row = m0 + m, s = s_begin + sl;
+  if (row < m_end && s < s_end) {
+    const size_t kh = p.K >> 1, ks = p.K >> 4;
+    u.codes = *reinterpret_cast<const uint4*>(p.a_codes + row * kh + s * kStepBytes + 16 * piece);
+    u.sc = *reinterpret_cast<const uint16_t*>(p.a_scales + row * ks + s * 8 + 2 * piece);
+  } else {
+    u.codes = make_uint4(0, 0, 0, 0);
+    u.sc = 0;
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, int unit) {
+  const int piece = unit & 3;
+  const int m = (unit >> 2) % (8 * NT);
+  const int sl = (unit >> 2) / (8 * NT);
+  const int j = m >> 3, g = m & 7;
+  const __half2 s = scales2(u.sc);
+  const __half2 s_lo = __low2half2(s), s_hi = __high2half2(s);
+  const uint32_t w[4] = {u.codes.x, u.codes.y, u.codes.z, u.codes.w};
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    // u16 index t (bytes 2t, 2t+1: positions 2t, 2t+1) and u16 index 4 + t (bytes 8+2t, 9+2t: positions 2t+8, 2t+9)
+    const uint32_t lo16 = (w[t >> 1] >> ((t & 1) * 16)) & 0xFFFFu;
+    const uint32_t hi16 = (w[2 + (t >> 1)] >> ((t & 1) * 16)) & 0xFFFFu;
+    const uint32_t ylo = spread(lo16), yhi = spread(hi16);
+    const int lane = g * 4 + t;
+    uint2 ev = make_uint2(scaled(evens(ylo), s_lo), scaled(evens(yhi), s_hi));
+    uint2 od = make_uint2(scaled(odds(ylo), s_lo), scaled(odds(yhi), s_hi));
+    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, piece, lane, 0)) = ev;
+    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, 4 + piece, lane, 0)) = od;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T cast_out(float x);
+template <>
+__device__ __forceinline__ float cast_out<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half cast_out<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 cast_out<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T>
+__device__ __forceinline__ void store_out(const Params& p, int m, int n, float v) {
+  reinterpret_cast<T*>(p.out)[static_cast<size_t>(m) * p.N + n] = cast_out<T>(v);
+}
+
+// ((acc * 2^28) * ga) * gw (+ bias): the Triton epilogue's operations in its order, each rounded on its own
+__device__ __forceinline__ float epilogue(float acc, float ga, float gw, const float* bias, int n) {
+  float o = __fmul_rn(acc, 268435456.0f);
+  o = __fmul_rn(o, ga);
+  o = __fmul_rn(o, gw);
+  if (bias != nullptr) o = __fadd_rn(o, bias[n]);
+  return o;
+}
+
+// grid: x = groups of W warps x 16 weight rows, y = token tiles (looped with stride gridDim.y);
+// block: 32 W threads; dynamic shared memory: W * D * kSlotBytes + 2 * seg * NT * 2048 bytes.
+template <int NT, int D, bool GROUPED>
+__global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int W = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int nsteps = p.K / 128;
+  const size_t kh = p.K >> 1, ks = p.K >> 4;
+  const int row0 = (blockIdx.x * W + warp) * 16;  // this warp's first weight row
+  const bool active = row0 < p.N;
+  uint8_t* ring = smem + warp * D * kSlotBytes;
+  uint32_t* bbuf = reinterpret_cast<uint32_t*>(smem + W * D * kSlotBytes);
+  const int bwords = p.seg * NT * 4 * 32 * 4;  // u32 words per token-fragment buffer
+  const int units = p.seg * 8 * NT * 4;        // token-decoding units per segment
+  constexpr int kMaxUnitsPerThread = 2;        // units <= 2 * 32 W (the launcher picks seg so)
+
+  const int n_tiles = GROUPED ? static_cast<int>(*p.n_tiles) : (p.M + 8 * NT - 1) / (8 * NT);
+  for (int tile = blockIdx.y; tile < n_tiles; tile += gridDim.y) {
+    int m0, m_end;
+    const uint8_t* wc = p.w_codes;
+    const uint8_t* ws = p.w_scales;
+    const float* gw = p.gw;
+    if (GROUPED) {
+      const int e = p.tile_expert[tile];
+      m0 = p.tile_row[tile];
+      m_end = min(p.offsets[e + 1], m0 + 8 * NT);
+      wc += e * p.w_estride_c;
+      ws += e * p.w_estride_s;
+      gw += e * p.gw_estride;
+    } else {
+      m0 = tile * 8 * NT;
+      m_end = min(p.M, m0 + 8 * NT);
+    }
+    const uint8_t* wrow_g = wc + static_cast<size_t>(row0 + g) * kh + 16 * t;
+    const uint8_t* wscale = ws + static_cast<size_t>(row0 + (lane & 15)) * ks;
+
+    auto issue = [&](int s) {  // step s of this warp's rows -> ring slot s % D (one commit group per call)
+      if (active && s < nsteps) {
+        uint8_t* slot = ring + (s % D) * kSlotBytes;
+        cp_async16(slot + g * kRowPitch + 16 * t, wrow_g + s * kStepBytes);
+        cp_async16(slot + (g + 8) * kRowPitch + 16 * t, wrow_g + 8 * kh + s * kStepBytes);
+        if (lane < 16) cp_async8(slot + 16 * kRowPitch + lane * 8, wscale + s * 8);
+      }
+      cp_async_commit();
+    };
+
+    __syncthreads();  // the previous tile's readers of the ring and the token buffers are done
+#pragma unroll
+    for (int s = 0; s < D - 1; ++s) issue(s);
+
+    TokenUnit tu[kMaxUnitsPerThread];
+    // segment 0's token fragments
+#pragma unroll
+    for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+      const int u = threadIdx.x + i * blockDim.x;
+      if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, 0, min(p.seg, nsteps));
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+      const int u = threadIdx.x + i * blockDim.x;
+      if (u < units) store_tokens<NT>(tu[i], bbuf, u);
+    }
+    __syncthreads();
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+    for (int s0 = 0, seg = 0; s0 < nsteps; s0 += p.seg, ++seg) {
+      const int s1 = min(s0 + p.seg, nsteps);
+      // next segment's token data: loads in flight while this segment computes
+#pragma unroll
+      for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
+      }
+      const uint32_t* bseg = bbuf + (seg & 1) * bwords;
+      for (int s = s0; s < s1; ++s) {
+        __syncwarp();  // every lane is done reading the slot that issue() refills
+        issue(s + D - 1);
+        cp_async_wait<D - 1>();
+        __syncwarp();  // step s's bytes, copied by all lanes, are visible to all lanes
+        if (!active) continue;
+        const uint8_t* slot = ring + (s % D) * kSlotBytes;
+        const uint8_t* r_lo = slot + g * kRowPitch + 2 * t;        // row g
+        const uint8_t* r_hi = slot + (g + 8) * kRowPitch + 2 * t;  // row g + 8
+        const uint2 sc_lo = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + g * 8);
+        const uint2 sc_hi = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8) * 8);
+        uint32_t y[4][4];   // [piece][row g pos 2t | row g+8 pos 2t | row g pos 2t+8 | row g+8 pos 2t+8]
+        __half2 sl[4][2];   // [piece][row g | row g+8] scale of block 2p (positions 2t..) and 2p+1 (2t+8..)
+#pragma unroll
+        for (int pc = 0; pc < 4; ++pc) {
+          y[pc][0] = spread(*reinterpret_cast<const uint16_t*>(r_lo + 16 * pc));
+          y[pc][1] = spread(*reinterpret_cast<const uint16_t*>(r_hi + 16 * pc));
+          y[pc][2] = spread(*reinterpret_cast<const uint16_t*>(r_lo + 16 * pc + 8));
+          y[pc][3] = spread(*reinterpret_cast<const uint16_t*>(r_hi + 16 * pc + 8));
+          const uint32_t w_lo = pc < 2 ? sc_lo.x : sc_lo.y, w_hi = pc < 2 ? sc_hi.x : sc_hi.y;
+          sl[pc][0] = scales2((w_lo >> ((pc & 1) * 16)) & 0xFFFFu);
+          sl[pc][1] = scales2((w_hi >> ((pc & 1) * 16)) & 0xFFFFu);
+        }
+        const uint32_t* bstep = bseg + (s - s0) * NT * 512;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
+          uint4 b[NT];  // pieces (2q, 2q + 1) of each n8 tile: one conflict-free 16-byte load per pair
+#pragma unroll
+          for (int pc = 0; pc < 4; ++pc) {
+            const int piece = half * 4 + pc;
+            if ((pc & 1) == 0) {
+#pragma unroll
+              for (int j = 0; j < NT; ++j)
+                b[j] = *reinterpret_cast<const uint4*>(bstep + b_index<NT>(0, j, piece, lane, 0));
+            }
+            // row g: block 2p scale for positions 2t.., block 2p+1 for positions 2t+8..; likewise row g + 8
+            const __half2 g_lo = __low2half2(sl[pc][0]), g_hi = __high2half2(sl[pc][0]);
+            const __half2 g8_lo = __low2half2(sl[pc][1]), g8_hi = __high2half2(sl[pc][1]);
+            uint32_t a[4];
+            a[0] = scaled(half ? odds(y[pc][0]) : evens(y[pc][0]), g_lo);
+            a[1] = scaled(half ? odds(y[pc][1]) : evens(y[pc][1]), g8_lo);
+            a[2] = scaled(half ? odds(y[pc][2]) : evens(y[pc][2]), g_hi);
+            a[3] = scaled(half ? odds(y[pc][3]) : evens(y[pc][3]), g8_hi);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              if ((pc & 1) == 0) mma16816(acc[j], a, b[j].x, b[j].y);
+              else mma16816(acc[j], a, b[j].z, b[j].w);
+            }
+          }
+        }
+      }
+      if (s1 < nsteps) {
+#pragma unroll
+        for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+          const int u = threadIdx.x + i * blockDim.x;
+          if (u < units) store_tokens<NT>(tu[i], bbuf + ((seg + 1) & 1) * bwords, u);
+        }
+      }
+      __syncthreads();
+    }
+    cp_async_wait<0>();
+
+    if (active) {
+      // acc[j]: c0, c1 = (weight row g, tokens 8j + 2t, +1); c2, c3 = (weight row g + 8, same tokens)
+      const int n_a = row0 + g, n_b = row0 + g + 8;
+      const float gw_a = gw[p.gw_row ? n_a : 0], gw_b = gw[p.gw_row ? n_b : 0];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int m = m0 + 8 * j + 2 * t + (c & 1);
+          if (m >= m_end) continue;
+          const int n = c < 2 ? n_a : n_b;
+          const float v = epilogue(acc[j][c], p.ga[p.ga_row ? m : 0], c < 2 ? gw_a : gw_b, p.bias, n);
+          if (p.out_kind == 0) store_out<__nv_bfloat16>(p, m, n, v);
+          else if (p.out_kind == 1) store_out<__half>(p, m, n, v);
+          else store_out<float>(p, m, n, v);
+        }
+      }
+    }
+  }
+}
+
+// Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped); returns a cudaError_t.
+template <int NT, int D, bool GROUPED>
+int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(warps) * D * kSlotBytes + 2 * static_cast<size_t>(p.seg) * NT * 2048;
+  static size_t raised = 48 * 1024;  // dynamic shared memory a launch may use without opting in
+  if (smem > raised) {
+    cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return static_cast<int>(err);
+    raised = smem;
+  }
+  decode_gemm_kernel<NT, D, GROUPED><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <int NT, bool GROUPED>
+int launch_depth(const Params& p, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
+  if (depth == 4) return launch_one<NT, 4, GROUPED>(p, warps, grid_x, grid_y, stream);
+  if (depth == 8) return launch_one<NT, 8, GROUPED>(p, warps, grid_x, grid_y, stream);
+  return -1;
+}
+
+template <bool GROUPED>
+int launch_tiles(const Params& p, int nt, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
+  if (nt == 1) return launch_depth<1, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
+  if (nt == 2) return launch_depth<2, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
+  if (nt == 4) return launch_depth<4, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
+  return -1;
+}
+
+}  // namespace minite_decode
+
+// Entry point (pointers and the stream as integers, so the binding needs no tensor types). -1: bad config.
+int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
+                           int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
+                           int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
+                           int64_t grid_y, int64_t tile_expert, int64_t tile_row, int64_t offsets, int64_t n_tiles,
+                           int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream) {
+  using namespace minite_decode;
+  Params p;
+  p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
+  p.a_scales = reinterpret_cast<const uint8_t*>(a_scales);
+  p.ga = reinterpret_cast<const float*>(ga);
+  p.w_codes = reinterpret_cast<const uint8_t*>(w_codes);
+  p.w_scales = reinterpret_cast<const uint8_t*>(w_scales);
+  p.gw = reinterpret_cast<const float*>(gw);
+  p.bias = reinterpret_cast<const float*>(bias);
+  p.out = reinterpret_cast<void*>(out);
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  p.ga_row = static_cast<int>(ga_row);
+  p.gw_row = static_cast<int>(gw_row);
+  p.out_kind = static_cast<int>(out_kind);
+  p.seg = static_cast<int>(seg);
+  p.tile_expert = reinterpret_cast<const int*>(tile_expert);
+  p.tile_row = reinterpret_cast<const int*>(tile_row);
+  p.offsets = reinterpret_cast<const int*>(offsets);
+  p.n_tiles = reinterpret_cast<const int64_t*>(n_tiles);
+  p.w_estride_c = w_estride_c;
+  p.w_estride_s = w_estride_s;
+  p.gw_estride = gw_estride;
+  if (seg < 1 || seg * 32 * nt > 2 * 32 * warps || warps < 1 || warps > 8) return -1;
+  const int grid_x = static_cast<int>((N / 16 + warps - 1) / warps);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const bool grouped = tile_expert != 0;
+  return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)
+                 : launch_tiles<false>(p, nt, depth, warps, grid_x, grid_y, s);
+}
