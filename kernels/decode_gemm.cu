@@ -6,7 +6,7 @@
 //   * K in 128-wide steps; each step = its 64 even-K elements (low nibbles) as four k16 pieces, then its 64
 //     odd-K ones (high nibbles): eight fp16 -> fp32 mma.m16n8k16 chained on one accumulator, from K = 0 up;
 //   * position i of piece p is element 16p + i of the step's evens (odds): the layout Triton's dot feeds;
-//   * epilogue ((acc * 2^28) * ga) * gw (+ bias), each an IEEE fp32 operation (no contraction), then the cast.
+//   * epilogue ((acc * 2^28) * ga) * gw (+ bias, fused into the last multiply, as Triton does), then the cast.
 // Data flow per warp (16 weight rows of the mma's M side; tokens are its N side, 8 per n8 tile):
 //   * the weight's packed bytes, in their original [N, K/2] layout, reach shared memory through cp.async
 //     (each lane copies 16 B of one row per step: coalesced, no registers held in flight); each lane then
@@ -163,13 +163,12 @@ __device__ __forceinline__ void store_out(const Params& p, int m, int n, float v
   reinterpret_cast<T*>(p.out)[static_cast<size_t>(m) * p.N + n] = cast_out<T>(v);
 }
 
-// ((acc * 2^28) * ga) * gw (+ bias): the Triton epilogue's operations in its order, each rounded on its own
+// ((acc * 2^28) * ga) * gw, or fma(acc * 2^28 * ga, gw, bias) with a bias: the Triton epilogue's operations
+// in its order, as its compiler emits them (it contracts the last multiply and the bias add into one fma)
 __device__ __forceinline__ float epilogue(float acc, float ga, float gw, const float* bias, int n) {
   float o = __fmul_rn(acc, 268435456.0f);
   o = __fmul_rn(o, ga);
-  o = __fmul_rn(o, gw);
-  if (bias != nullptr) o = __fadd_rn(o, bias[n]);
-  return o;
+  return bias != nullptr ? __fmaf_rn(o, gw, bias[n]) : __fmul_rn(o, gw);
 }
 
 // grid: x = groups of W warps x 16 weight rows, y = token tiles (looped with stride gridDim.y);
