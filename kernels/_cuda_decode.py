@@ -23,11 +23,12 @@ SOURCE = Path(__file__).with_name("decode_gemm.cu")
 STEP_K = 128         # K per step (the kernels' BK)
 ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
 TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
+MAX_EXPERTS = 4096   # the per-CTA tile scan lives in shared memory (4 bytes per expert)
 _DECL = """
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
                            int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
-                           int64_t grid_y, int64_t tile_expert, int64_t tile_row, int64_t offsets, int64_t n_tiles,
+                           int64_t grid_y, int64_t offsets, int64_t offsets64, int64_t n_experts,
                            int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -62,7 +63,7 @@ def module(cap: tuple[int, int]):
     try:
         return cpp_extension.load_inline(
             name=f"minite_decode_gemm_sm{cap[0]}{cap[1]}", cpp_sources=[_DECL], cuda_sources=[SOURCE.read_text()],
-            functions=["decode_gemm_launch"], extra_cuda_cflags=["-O3", "-std=c++17", arch_flag(cap)],
+            functions=["decode_gemm_launch"], extra_cuda_cflags=["-O3", arch_flag(cap)],
             verbose=False, **kw)
     except Exception as exc:  # compiler missing pieces, or a build error
         return _unavailable(f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")
@@ -93,16 +94,17 @@ def _check(cfg: dict) -> tuple[int, int, int]:
     return nt, depth, warps
 
 
-def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, sched=None, strides=(0, 0, 0)):
+def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, offsets=None, strides=(0, 0, 0)):
     nt, depth, warps = _check(cfg)
-    te = tr = offs = nvalid = 0
-    if sched is not None:
-        te, tr, offs, nvalid = (t.data_ptr() for t in sched)
+    offs, offs64, n_experts = 0, 0, 0
+    if offsets is not None:
+        offs, offs64, n_experts = offsets.data_ptr(), int(offsets.dtype == torch.int64), offsets.numel() - 1
     rc = mod.decode_gemm_launch(
         a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
-        int(gw.dim() >= (2 if sched is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps,
-        _seg(cfg, nt, warps), grid_y, te, tr, offs, nvalid, *strides, torch.cuda.current_stream(out.device).cuda_stream)
+        int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps,
+        _seg(cfg, nt, warps), grid_y, offs, offs64, n_experts, *strides,
+        torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
     return out
@@ -118,15 +120,17 @@ def dense(mod, a, w, out, bias, cfg: dict) -> torch.Tensor:
     return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y)
 
 
-def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, schedule) -> torch.Tensor:
-    """Grouped form: ``schedule`` = ``gemm._tile_schedule(offsets, M, 8 * NT)`` + the valid tile count."""
+def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
+    of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all)."""
     m, k = a.shape
     e, n, _ = ex.shape
-    tile_e, tile_r, bound, n_valid = schedule
+    if offsets.dtype not in (torch.int32, torch.int64) or e > MAX_EXPERTS:
+        raise ValueError(f"CUDA decode GEMM: offsets int32/int64 and at most {MAX_EXPERTS} experts")
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
+    tile_rows = TOKENS_PER_TILE * cfg["NT"]
+    bound = min(m, -(-m // tile_rows) + e)  # tiles that can hold rows
     groups_x = -(-(n // ROWS_PER_WARP) // cfg["W"])
-    grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))  # CTAs loop over the valid tiles
-    offs32 = offsets.to(torch.int32).contiguous()
+    grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
     strides = (ex.codes.stride(0), ex.scales.stride(0), gw.stride(0))
-    sched = (tile_e, tile_r, offs32, n_valid)
-    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, sched, strides)
+    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, offsets.contiguous(), strides)

@@ -149,3 +149,26 @@ def gemm(a, w, nt: int = 2) -> torch.Tensor:
     ga = a.global_scale.double().reshape(-1, 1) if a.global_scale.dim() else a.global_scale.double()
     gw = w.global_scale.double().reshape(1, -1) if w.global_scale.dim() else w.global_scale.double()
     return acc * 2.0 ** 28 * ga * gw
+
+
+def grouped_tiles(offsets: list[int], nt: int) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every token tile, as each CTA lists them (``scan_tiles`` + ``expert_of``
+    in the kernel): experts cut into tiles of 8 nt rows, in expert order."""
+    e_count = len(offsets) - 1
+    rows = 8 * nt
+    start = [0]
+    for e in range(e_count):
+        n = offsets[e + 1] - offsets[e]
+        start.append(start[-1] + (-(-n // rows) if n > 0 else 0))
+    tiles = []
+    for t in range(start[-1]):
+        lo, hi = 0, e_count
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if start[mid + 1] <= t:
+                lo = mid + 1
+            else:
+                hi = mid
+        m0 = offsets[lo] + (t - start[lo]) * rows
+        tiles.append((lo, m0, min(offsets[lo + 1], m0 + rows)))
+    return tiles

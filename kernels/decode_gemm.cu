@@ -39,11 +39,10 @@ struct Params {
   int M, N, K;
   int ga_row, gw_row, out_kind;  // out_kind: 0 bf16, 1 fp16, 2 fp32
   int seg;                       // K steps per token-fragment segment
-  // grouped: tile t covers rows tile_row[t] .. min(tile_row[t] + 8 NT, offsets[e + 1]) of expert tile_expert[t]
-  const int* tile_expert;
-  const int* tile_row;
-  const int* offsets;
-  const int64_t* n_tiles;        // number of valid tiles (device scalar)
+  // grouped: expert e owns rows offsets[e] .. offsets[e + 1] (int32 or int64), cut into tiles of 8 NT rows;
+  // every CTA lists the tiles itself (a scan of the offsets): one launch, no host sync, no schedule kernels
+  const void* offsets;
+  int offsets64, E;
   int64_t w_estride_c, w_estride_s, gw_estride;
 };
 
@@ -149,6 +148,44 @@ __device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, 
   }
 }
 
+__device__ __forceinline__ int64_t offset_at(const Params& p, int e) {
+  return p.offsets64 ? static_cast<const int64_t*>(p.offsets)[e] : static_cast<const int*>(p.offsets)[e];
+}
+
+// tile_start[e] = tiles of experts 0 .. e-1 (exclusive scan, one warp, 32 experts a round); tile_start[E] = all
+template <int NT>
+__device__ void scan_tiles(const Params& p, int* tile_start, int lane) {
+  int carry = 0;
+  for (int e0 = 0; e0 < p.E; e0 += 32) {
+    const int e = e0 + lane;
+    int tiles = 0;
+    if (e < p.E) {
+      const int64_t rows = offset_at(p, e + 1) - offset_at(p, e);
+      tiles = rows > 0 ? static_cast<int>((rows + 8 * NT - 1) / (8 * NT)) : 0;
+    }
+    int incl = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (e < p.E) tile_start[e] = carry + incl - tiles;
+    carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
+  }
+  if (lane == 0) tile_start[p.E] = carry;
+}
+
+// the expert owning tile t: the e with tile_start[e] <= t < tile_start[e + 1]
+__device__ __forceinline__ int expert_of(const int* tile_start, int n_experts, int t) {
+  int lo = 0, hi = n_experts;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (tile_start[mid + 1] <= t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
 template <typename T>
 __device__ __forceinline__ T cast_out(float x);
 template <>
@@ -172,7 +209,7 @@ __device__ __forceinline__ float epilogue(float acc, float ga, float gw, const f
 }
 
 // grid: x = groups of W warps x 16 weight rows, y = token tiles (looped with stride gridDim.y);
-// block: 32 W threads; dynamic shared memory: W * D * kSlotBytes + 2 * seg * NT * 2048 bytes.
+// block: 32 W threads; dynamic shared memory: W * D * kSlotBytes + 2 * seg * NT * 2048 (+ 4 (E + 1) grouped).
 template <int NT, int D, bool GROUPED>
 __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -189,16 +226,21 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   const int units = p.seg * 8 * NT * 4;        // token-decoding units per segment
   constexpr int kMaxUnitsPerThread = 2;        // units <= 2 * 32 W (the launcher picks seg so)
 
-  const int n_tiles = GROUPED ? static_cast<int>(*p.n_tiles) : (p.M + 8 * NT - 1) / (8 * NT);
+  int* tile_start = reinterpret_cast<int*>(smem + W * D * kSlotBytes + 2 * bwords * 4);
+  if (GROUPED) {
+    if (warp == 0) scan_tiles<NT>(p, tile_start, lane);
+    __syncthreads();
+  }
+  const int n_tiles = GROUPED ? tile_start[p.E] : (p.M + 8 * NT - 1) / (8 * NT);
   for (int tile = blockIdx.y; tile < n_tiles; tile += gridDim.y) {
     int m0, m_end;
     const uint8_t* wc = p.w_codes;
     const uint8_t* ws = p.w_scales;
     const float* gw = p.gw;
     if (GROUPED) {
-      const int e = p.tile_expert[tile];
-      m0 = p.tile_row[tile];
-      m_end = min(p.offsets[e + 1], m0 + 8 * NT);
+      const int e = expert_of(tile_start, p.E, tile);
+      m0 = static_cast<int>(offset_at(p, e)) + (tile - tile_start[e]) * 8 * NT;
+      m_end = min(static_cast<int>(offset_at(p, e + 1)), m0 + 8 * NT);
       wc += e * p.w_estride_c;
       ws += e * p.w_estride_s;
       gw += e * p.gw_estride;
@@ -336,7 +378,8 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
 // Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped); returns a cudaError_t.
 template <int NT, int D, bool GROUPED>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(warps) * D * kSlotBytes + 2 * static_cast<size_t>(p.seg) * NT * 2048;
+  const size_t smem = static_cast<size_t>(warps) * D * kSlotBytes + 2 * static_cast<size_t>(p.seg) * NT * 2048 +
+                      (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
   static size_t raised = 48 * 1024;  // dynamic shared memory a launch may use without opting in
   if (smem > raised) {
     cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED>,
@@ -369,7 +412,7 @@ int launch_tiles(const Params& p, int nt, int depth, int warps, int grid_x, int 
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
                            int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
-                           int64_t grid_y, int64_t tile_expert, int64_t tile_row, int64_t offsets, int64_t n_tiles,
+                           int64_t grid_y, int64_t offsets, int64_t offsets64, int64_t n_experts,
                            int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream) {
   using namespace minite_decode;
   Params p;
@@ -388,17 +431,16 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.gw_row = static_cast<int>(gw_row);
   p.out_kind = static_cast<int>(out_kind);
   p.seg = static_cast<int>(seg);
-  p.tile_expert = reinterpret_cast<const int*>(tile_expert);
-  p.tile_row = reinterpret_cast<const int*>(tile_row);
-  p.offsets = reinterpret_cast<const int*>(offsets);
-  p.n_tiles = reinterpret_cast<const int64_t*>(n_tiles);
+  p.offsets = reinterpret_cast<const void*>(offsets);
+  p.offsets64 = static_cast<int>(offsets64);
+  p.E = static_cast<int>(n_experts);
   p.w_estride_c = w_estride_c;
   p.w_estride_s = w_estride_s;
   p.gw_estride = gw_estride;
   if (seg < 1 || seg * 32 * nt > 2 * 32 * warps || warps < 1 || warps > 8) return -1;
   const int grid_x = static_cast<int>((N / 16 + warps - 1) / warps);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  const bool grouped = tile_expert != 0;
+  const bool grouped = offsets != 0;
   return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)
                  : launch_tiles<false>(p, nt, depth, warps, grid_x, grid_y, s);
 }

@@ -292,8 +292,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     if variant == "cuda":
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
-        schedule = _tile_schedule(offsets.to(torch.int64), m, 8 * cfg["NT"])
-        return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, schedule)
+        return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg)
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
     tile_e, tile_r, bound, _ = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])
