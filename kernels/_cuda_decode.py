@@ -75,10 +75,17 @@ def _unavailable(why: str):
     return None
 
 
-def supports(k: int, n: int, *tensors: torch.Tensor) -> bool:
-    """Shapes and alignments the kernel takes: K in whole 128-wide steps, N in whole 16-row warps, code rows
-    and bases 16-byte aligned (cp.async / 16-byte token loads), scale rows 8-byte aligned."""
-    return k % STEP_K == 0 and n % ROWS_PER_WARP == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+def supports(k: int, n: int, a, w_codes: torch.Tensor, w_scales: torch.Tensor) -> bool:
+    """Operands the kernel takes: K in whole 128-wide steps, N in whole 16-row warps, rows densely packed
+    (codes K/2 bytes apart, scales K/16), code bases 16-byte aligned (cp.async and 16-byte token loads),
+    weight scales 8-byte and token scales 2-byte aligned. Anything else: the Triton kernels (same bits)."""
+    def rows_packed(t, width):
+        return t.dim() >= 2 and t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == width)
+    return (k % STEP_K == 0 and n % ROWS_PER_WARP == 0
+            and rows_packed(a.codes, k // 2) and rows_packed(a.scales, k // 16)
+            and rows_packed(w_codes, k // 2) and rows_packed(w_scales, k // 16)
+            and a.codes.data_ptr() % 16 == 0 and w_codes.data_ptr() % 16 == 0
+            and w_scales.data_ptr() % 8 == 0 and a.scales.data_ptr() % 2 == 0)
 
 
 def _seg(cfg: dict, nt: int, warps: int) -> int:

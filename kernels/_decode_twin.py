@@ -14,17 +14,36 @@ import torch
 ROW_STEP_BYTES = 64  # codes of one row per 128-wide K step
 
 
-def spread(pair16: torch.Tensor) -> torch.Tensor:
-    """__byte_perm(v, 0, 0x4140): byte 0 -> bits 0-7, byte 1 -> bits 16-23."""
-    return (pair16 & 0xFF) | (((pair16 >> 8) & 0xFF) << 16)
+def low_nibbles(x: torch.Tensor) -> torch.Tensor:
+    """fp16 high bytes (sign << 7 | mag << 1) of the four even-K (low-nibble) elements of a word."""
+    return ((x << 4) & 0x80808080) | ((x << 1) & 0x0E0E0E0E)
 
 
-def evens(y: torch.Tensor) -> torch.Tensor:
-    return ((y << 9) & 0x0E000E00) | ((y << 12) & 0x80008000)
+def high_nibbles(x: torch.Tensor) -> torch.Tensor:
+    return (x & 0x80808080) | ((x >> 3) & 0x0E0E0E0E)
 
 
-def odds(y: torch.Tensor) -> torch.Tensor:
-    return ((y << 5) & 0x0E000E00) | ((y << 8) & 0x80008000)
+def byte_perm(x: torch.Tensor, y, sel: int) -> torch.Tensor:
+    """__byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of {y, x} (x = bytes 0-3)."""
+    y = torch.as_tensor(y, dtype=torch.int64)
+    out = torch.zeros_like(x)
+    for i in range(4):
+        src = (sel >> (4 * i)) & 7
+        byte = ((x if src < 4 else y) >> (8 * (src & 3))) & 0xFF
+        out = out | (byte << (8 * i))
+    return out
+
+
+def pair01(h: torch.Tensor) -> torch.Tensor:
+    return byte_perm(h, 0, 0x1404)
+
+
+def pair23(h: torch.Tensor) -> torch.Tensor:
+    return byte_perm(h, 0, 0x3424)
+
+
+def join16(lo16: torch.Tensor, hi16: torch.Tensor) -> torch.Tensor:
+    return byte_perm(lo16, hi16, 0x5410)
 
 
 def _halves(bits: torch.Tensor) -> torch.Tensor:
@@ -34,9 +53,10 @@ def _halves(bits: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], -1).view(torch.float16)
 
 
-def scales2(pair16: torch.Tensor) -> torch.Tensor:
-    """Two E4M3 bytes -> fp16 [..., 2] {s_lo, s_hi}: bits (e & 0x7F) << 7 (= s * 2^-8), times 256 in fp16."""
-    return _halves(spread(pair16 & 0x7F7F) << 7) * torch.tensor(256.0, dtype=torch.float16)
+def scale_pairs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four E4M3 bytes -> fp16 {s0, s2}, {s1, s3}: bits (e & 0x7F) << 7 (= s * 2^-8), times 256 in fp16."""
+    k256 = torch.tensor(256.0, dtype=torch.float16)
+    return _halves((w & 0x007F007F) << 7) * k256, _halves((w & 0x7F007F00) >> 1) * k256
 
 
 def scaled(pair_bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -50,23 +70,30 @@ def _u16(buf: torch.Tensor, off) -> torch.Tensor:
     return b[..., off] | (b[..., off + 1] << 8)
 
 
+def _u32(buf: torch.Tensor, off) -> torch.Tensor:
+    return _u16(buf, off) | (_u16(buf, off + 2) << 16)
+
+
 def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step: int) -> torch.Tensor:
-    """fp16 [8 pieces, 32 lanes, 4 regs, 2] of one warp (rows row0..row0+15) for K step ``step``: the ring slot
-    holds each row's 64 code bytes and 8 scale bytes; lane (g, t) gathers u16s at 16 pc + 2t and 16 pc + 8 + 2t
-    of rows g and g + 8, and the u16 pc of each row's scale bytes."""
+    """fp16 [8 pieces, 32 lanes, 4 regs, 2] of one warp (rows row0..row0+15) for K step ``step``, as ``gather``
+    and the step body form them: the ring slot holds each row's 64 code bytes and 8 scale bytes; lane (g, t)
+    joins the u16s at 16 pc + 2t and 16 pc + 8 + 2t of rows g and g + 8 into one word per piece, and reads
+    the rows' scale bytes as two words."""
     slot = codes[row0:row0 + 16, step * ROW_STEP_BYTES:(step + 1) * ROW_STEP_BYTES]
     sc = scales.view(torch.uint8)[row0:row0 + 16, step * 8:(step + 1) * 8]
     out = torch.empty(8, 32, 4, 2, dtype=torch.float16)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        for pc in range(4):
-            y = [spread(_u16(slot[g], 16 * pc + 2 * t)), spread(_u16(slot[g + 8], 16 * pc + 2 * t)),
-                 spread(_u16(slot[g], 16 * pc + 8 + 2 * t)), spread(_u16(slot[g + 8], 16 * pc + 8 + 2 * t))]
-            s_g, s_g8 = scales2(_u16(sc[g], 2 * pc)), scales2(_u16(sc[g + 8], 2 * pc))
-            s = [s_g[0], s_g8[0], s_g[1], s_g8[1]]  # block 2pc for positions 2t.., block 2pc+1 for 2t+8..
-            for half, fn in ((0, evens), (1, odds)):
-                for r in range(4):
-                    out[half * 4 + pc, lane, r] = scaled(fn(y[r]), s[r])
+        for r in range(2):
+            row = slot[g + 8 * r]
+            se, so = zip(*(scale_pairs(_u32(sc[g + 8 * r], 4 * wsel)) for wsel in range(2)))
+            for pc in range(4):
+                x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
+                s_a, s_b = se[pc >> 1][pc & 1], so[pc >> 1][pc & 1]  # blocks 2 pc, 2 pc + 1
+                for half, fn in ((0, low_nibbles), (1, high_nibbles)):
+                    h = fn(x)
+                    out[half * 4 + pc, lane, r] = scaled(pair01(h), s_a)
+                    out[half * 4 + pc, lane, 2 + r] = scaled(pair23(h), s_b)
     return out
 
 
@@ -87,14 +114,16 @@ def token_fragments(codes: torch.Tensor, scales: torch.Tensor, m0: int, m_end: i
                 sc = _u16(scales.view(torch.uint8)[row], step * 8 + 2 * piece)
             else:
                 chunk, sc = torch.zeros(16, dtype=torch.uint8), torch.tensor(0)
-            s = scales2(sc)
+            se, so = scale_pairs(sc)
+            s_a, s_b = se[0], so[0]  # blocks 2 piece, 2 piece + 1
             j, g = m >> 3, m & 7
             for t in range(4):
-                ylo, yhi = spread(_u16(chunk, 2 * t)), spread(_u16(chunk, 8 + 2 * t))
+                x = join16(_u16(chunk, 2 * t), _u16(chunk, 8 + 2 * t))
                 lane = g * 4 + t
-                for p, fn in ((piece, evens), (4 + piece, odds)):
-                    buf[b_index(0, j, p, lane, 0, nt)] = scaled(fn(ylo), s[0])
-                    buf[b_index(0, j, p, lane, 1, nt)] = scaled(fn(yhi), s[1])
+                for p, fn in ((piece, low_nibbles), (4 + piece, high_nibbles)):
+                    h = fn(x)
+                    buf[b_index(0, j, p, lane, 0, nt)] = scaled(pair01(h), s_a)
+                    buf[b_index(0, j, p, lane, 1, nt)] = scaled(pair23(h), s_b)
     out = torch.empty(8, nt, 32, 2, 2, dtype=torch.float16)
     for piece in range(8):
         for j in range(nt):

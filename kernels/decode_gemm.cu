@@ -61,27 +61,31 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// y = byte0 | byte1 << 16 of a 16-bit pair (one byte = an even-K element in its low nibble, the next odd-K
-// element in its high nibble)
-__device__ __forceinline__ uint32_t spread(uint32_t pair16) { return __byte_perm(pair16, 0u, 0x4140); }
-
-// fp16x2 bits of the two low (even-K) / high (odd-K) nibbles of spread() output: e2m1 * 2^-14, exact
-__device__ __forceinline__ uint32_t evens(uint32_t y) {
-  return ((y << 9) & 0x0E000E00u) | ((y << 12) & 0x80008000u);
+// Decoding, four code bytes at a time. A word x holds bytes B0..B3; each byte is an even-K element (low
+// nibble) and the next odd-K element (high nibble), sign in the nibble's top bit. An fp16 e2m1 * 2^-14 has
+// bits (sign << 15) | (mag << 9): a zero low byte and a high byte (sign << 7) | (mag << 1).
+__device__ __forceinline__ uint32_t low_nibbles(uint32_t x) {   // high bytes of the four even-K elements
+  return ((x << 4) & 0x80808080u) | ((x << 1) & 0x0E0E0E0Eu);
 }
-__device__ __forceinline__ uint32_t odds(uint32_t y) {
-  return ((y << 5) & 0x0E000E00u) | ((y << 8) & 0x80008000u);
+__device__ __forceinline__ uint32_t high_nibbles(uint32_t x) {  // high bytes of the four odd-K elements
+  return (x & 0x80808080u) | ((x >> 3) & 0x0E0E0E0Eu);
+}
+// fp16x2 {B0, B1} / {B2, B3} of such high bytes
+__device__ __forceinline__ uint32_t pair01(uint32_t h) { return __byte_perm(h, 0u, 0x1404); }
+__device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0u, 0x3424); }
+// the word a lane decodes: the code bytes of positions 2t, 2t+1 (lo16) and 2t+8, 2t+9 (hi16) of a piece
+__device__ __forceinline__ uint32_t join16(uint32_t lo16, uint32_t hi16) { return __byte_perm(lo16, hi16, 0x5410); }
+
+// four E4M3 scale bytes -> fp16x2 {s0, s2} and {s1, s3}: bits (e & 0x7F) << 7 = s * 2^-8, times 256: exact
+__device__ __forceinline__ void scale_pairs(uint32_t w, __half2& even, __half2& odd) {
+  uint32_t e = (w & 0x007F007Fu) << 7, o = (w & 0x7F007F00u) >> 1;
+  const __half2 k256 = __floats2half2_rn(256.0f, 256.0f);
+  even = __hmul2(*reinterpret_cast<__half2*>(&e), k256);
+  odd = __hmul2(*reinterpret_cast<__half2*>(&o), k256);
 }
 
-// two E4M3 scale bytes (blocks 2p, 2p+1) -> fp16x2 {s_2p, s_2p+1}, exact
-__device__ __forceinline__ __half2 scales2(uint32_t pair16) {
-  uint32_t bits = spread(pair16 & 0x7F7Fu) << 7;
-  __half2 h = *reinterpret_cast<__half2*>(&bits);
-  return __hmul2(h, __floats2half2_rn(256.0f, 256.0f));
-}
-
-__device__ __forceinline__ uint32_t scaled(uint32_t pair_bits, __half2 s) {
-  __half2 v = __hmul2(*reinterpret_cast<__half2*>(&pair_bits), s);
+__device__ __forceinline__ uint32_t scaled(uint32_t pair_bits, __half s) {  // exact: fp16 product of exact values
+  __half2 v = __hmul2(*reinterpret_cast<__half2*>(&pair_bits), __half2half2(s));
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
@@ -131,20 +135,20 @@ __device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, 
   const int m = (unit >> 2) % (8 * NT);
   const int sl = (unit >> 2) / (8 * NT);
   const int j = m >> 3, g = m & 7;
-  const __half2 s = scales2(u.sc);
-  const __half2 s_lo = __low2half2(s), s_hi = __high2half2(s);
+  __half2 se, so;
+  scale_pairs(u.sc, se, so);  // u.sc: blocks 2p (byte 0), 2p+1 (byte 1)
+  const __half s_a = __low2half(se), s_b = __low2half(so);
   const uint32_t w[4] = {u.codes.x, u.codes.y, u.codes.z, u.codes.w};
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    // u16 index t (bytes 2t, 2t+1: positions 2t, 2t+1) and u16 index 4 + t (bytes 8+2t, 9+2t: positions 2t+8, 2t+9)
-    const uint32_t lo16 = (w[t >> 1] >> ((t & 1) * 16)) & 0xFFFFu;
-    const uint32_t hi16 = (w[2 + (t >> 1)] >> ((t & 1) * 16)) & 0xFFFFu;
-    const uint32_t ylo = spread(lo16), yhi = spread(hi16);
+    // u16 t of the chunk: positions 2t, 2t+1 (block 2p); u16 4 + t: positions 2t+8, 2t+9 (block 2p+1)
+    const uint32_t x = join16((w[t >> 1] >> ((t & 1) * 16)) & 0xFFFFu, (w[2 + (t >> 1)] >> ((t & 1) * 16)) & 0xFFFFu);
+    const uint32_t lo = low_nibbles(x), hi = high_nibbles(x);
     const int lane = g * 4 + t;
-    uint2 ev = make_uint2(scaled(evens(ylo), s_lo), scaled(evens(yhi), s_hi));
-    uint2 od = make_uint2(scaled(odds(ylo), s_lo), scaled(odds(yhi), s_hi));
-    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, piece, lane, 0)) = ev;
-    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, 4 + piece, lane, 0)) = od;
+    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, piece, lane, 0)) =
+        make_uint2(scaled(pair01(lo), s_a), scaled(pair23(lo), s_b));
+    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, 4 + piece, lane, 0)) =
+        make_uint2(scaled(pair01(hi), s_a), scaled(pair23(hi), s_b));
   }
 }
 
@@ -261,6 +265,25 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       cp_async_commit();
     };
 
+    // what a lane gathers from the ring for one step: for each piece, the word join16(positions 2t.., 2t+8..)
+    // of rows g and g + 8, and the 8 scale bytes of rows g and g + 8
+    struct StepWords {
+      uint32_t x[4][2];
+      uint2 sc[2];
+    };
+    auto gather = [&](int s, StepWords& d) {
+      const uint8_t* slot = ring + (s % D) * kSlotBytes;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint8_t* row = slot + (g + 8 * r) * kRowPitch + 2 * t;
+#pragma unroll
+        for (int pc = 0; pc < 4; ++pc)
+          d.x[pc][r] = join16(*reinterpret_cast<const uint16_t*>(row + 16 * pc),
+                              *reinterpret_cast<const uint16_t*>(row + 16 * pc + 8));
+        d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
+      }
+    };
+
     __syncthreads();  // the previous tile's readers of the ring and the token buffers are done
 #pragma unroll
     for (int s = 0; s < D - 1; ++s) issue(s);
@@ -282,6 +305,10 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    StepWords cur, nxt;
+    cp_async_wait<D - 2>();  // step 0 landed (its lane's copies) ...
+    __syncwarp();            // ... for every lane
+    if (active) gather(0, cur);
 
     for (int s0 = 0, seg = 0; s0 < nsteps; s0 += p.seg, ++seg) {
       const int s1 = min(s0 + p.seg, nsteps);
@@ -293,27 +320,19 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       }
       const uint32_t* bseg = bbuf + (seg & 1) * bwords;
       for (int s = s0; s < s1; ++s) {
-        __syncwarp();  // every lane is done reading the slot that issue() refills
+        // refill the slot of step s - 1 (gathered one iteration ago) with step s + D - 1, then gather step s + 1
+        // while step s computes: its shared-memory loads overlap this step's decode and mma chain
+        __syncwarp();
         issue(s + D - 1);
-        cp_async_wait<D - 1>();
-        __syncwarp();  // step s's bytes, copied by all lanes, are visible to all lanes
+        cp_async_wait<D - 2>();  // steps <= s + 1 landed
+        __syncwarp();
         if (!active) continue;
-        const uint8_t* slot = ring + (s % D) * kSlotBytes;
-        const uint8_t* r_lo = slot + g * kRowPitch + 2 * t;        // row g
-        const uint8_t* r_hi = slot + (g + 8) * kRowPitch + 2 * t;  // row g + 8
-        const uint2 sc_lo = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + g * 8);
-        const uint2 sc_hi = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8) * 8);
-        uint32_t y[4][4];   // [piece][row g pos 2t | row g+8 pos 2t | row g pos 2t+8 | row g+8 pos 2t+8]
-        __half2 sl[4][2];   // [piece][row g | row g+8] scale of block 2p (positions 2t..) and 2p+1 (2t+8..)
+        if (s + 1 < nsteps) gather(s + 1, nxt);
+        __half2 se[2][2], so[2][2];  // [row g | g + 8][scale word x | y]: {blocks 0, 2 | 4, 6}, {1, 3 | 5, 7}
 #pragma unroll
-        for (int pc = 0; pc < 4; ++pc) {
-          y[pc][0] = spread(*reinterpret_cast<const uint16_t*>(r_lo + 16 * pc));
-          y[pc][1] = spread(*reinterpret_cast<const uint16_t*>(r_hi + 16 * pc));
-          y[pc][2] = spread(*reinterpret_cast<const uint16_t*>(r_lo + 16 * pc + 8));
-          y[pc][3] = spread(*reinterpret_cast<const uint16_t*>(r_hi + 16 * pc + 8));
-          const uint32_t w_lo = pc < 2 ? sc_lo.x : sc_lo.y, w_hi = pc < 2 ? sc_hi.x : sc_hi.y;
-          sl[pc][0] = scales2((w_lo >> ((pc & 1) * 16)) & 0xFFFFu);
-          sl[pc][1] = scales2((w_hi >> ((pc & 1) * 16)) & 0xFFFFu);
+        for (int r = 0; r < 2; ++r) {
+          scale_pairs(cur.sc[r].x, se[r][0], so[r][0]);
+          scale_pairs(cur.sc[r].y, se[r][1], so[r][1]);
         }
         const uint32_t* bstep = bseg + (s - s0) * NT * 512;
 #pragma unroll
@@ -327,14 +346,17 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
               for (int j = 0; j < NT; ++j)
                 b[j] = *reinterpret_cast<const uint4*>(bstep + b_index<NT>(0, j, piece, lane, 0));
             }
-            // row g: block 2p scale for positions 2t.., block 2p+1 for positions 2t+8..; likewise row g + 8
-            const __half2 g_lo = __low2half2(sl[pc][0]), g_hi = __high2half2(sl[pc][0]);
-            const __half2 g8_lo = __low2half2(sl[pc][1]), g8_hi = __high2half2(sl[pc][1]);
+            // scales of blocks 2pc (positions 2t..) and 2pc + 1 (positions 2t+8..): byte pc & 1 of the pairs
+            const int wsel = pc >> 1;
             uint32_t a[4];
-            a[0] = scaled(half ? odds(y[pc][0]) : evens(y[pc][0]), g_lo);
-            a[1] = scaled(half ? odds(y[pc][1]) : evens(y[pc][1]), g8_lo);
-            a[2] = scaled(half ? odds(y[pc][2]) : evens(y[pc][2]), g_hi);
-            a[3] = scaled(half ? odds(y[pc][3]) : evens(y[pc][3]), g8_hi);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const uint32_t h = half ? high_nibbles(cur.x[pc][r]) : low_nibbles(cur.x[pc][r]);
+              const __half s_a = (pc & 1) ? __high2half(se[r][wsel]) : __low2half(se[r][wsel]);
+              const __half s_b = (pc & 1) ? __high2half(so[r][wsel]) : __low2half(so[r][wsel]);
+              a[r] = scaled(pair01(h), s_a);      // row g + 8 r, positions 2t, 2t+1
+              a[2 + r] = scaled(pair23(h), s_b);  // row g + 8 r, positions 2t+8, 2t+9
+            }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
               if ((pc & 1) == 0) mma16816(acc[j], a, b[j].x, b[j].y);
@@ -342,6 +364,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
             }
           }
         }
+        cur = nxt;
       }
       if (s1 < nsteps) {
 #pragma unroll

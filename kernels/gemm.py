@@ -163,7 +163,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     n = wq.shape[0]
     dev = a.device
     mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
-    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a.codes, a.scales, wq.codes, wq.scales)
+    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
     cfg = dict(config) if config else _pick_config(m, n, dev, cuda_ok)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
@@ -281,7 +281,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     e, n, _ = ex.shape
     dev = a.device
     mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
-    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a.codes, a.scales, ex.codes, ex.scales)
+    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, ex.codes, ex.scales)
     cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)

@@ -49,11 +49,15 @@ def test_twin_gemm_matches_reference():
 
 
 def test_supports_whole_steps_and_aligned_operands():
-    c = torch.zeros(64, 128, dtype=torch.uint8)
-    assert _cuda_decode.supports(256, 64, c)
-    assert not _cuda_decode.supports(1088, 64, c)       # K tail: the Triton kernels take it
-    assert not _cuda_decode.supports(256, 40, c)        # N not whole 16-row warps
-    assert not _cuda_decode.supports(256, 64, c.view(-1)[1:])  # misaligned base
+    w, a = _q(64, 256, seed=1), _q(9, 256, seed=2)
+    assert _cuda_decode.supports(256, 64, a, w.codes, w.scales)
+    assert _cuda_decode.supports(256, 64, _rows(a, 3, 9), w.codes, w.scales)  # row slices: still packed rows
+    assert not _cuda_decode.supports(1088, 64, a, w.codes, w.scales)  # K tail: the Triton kernels take it
+    assert not _cuda_decode.supports(256, 40, a, w.codes, w.scales)   # N not whole 16-row warps
+    odd = ref.NVFP4Tensor(a.codes[:, :64], a.scales[:, :8], a.global_scale)  # a column slice: rows not packed
+    assert not _cuda_decode.supports(128, 64, odd, w.codes[:, :64], w.scales[:, :8])
+    shifted = torch.zeros(64 * 128 + 8, dtype=torch.uint8)[8:].view(64, 128)  # base not 16-byte aligned
+    assert not _cuda_decode.supports(256, 64, a, shifted, w.scales)
 
 
 def test_module_unavailable_warns_and_returns_none(monkeypatch):
