@@ -403,12 +403,17 @@ template <int NT, int D, bool GROUPED>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(warps) * D * kSlotBytes + 2 * static_cast<size_t>(p.seg) * NT * 2048 +
                       (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
-  static size_t raised = 48 * 1024;  // dynamic shared memory a launch may use without opting in
-  if (smem > raised) {
+  // dynamic shared memory this kernel may use on each device (48 KB without opting in); raised once per size
+  // and device, so a launch inside a CUDA graph capture (after a warm-up call) makes no attribute call
+  static size_t raised[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) return -1;
+  if (smem > 48 * 1024 && smem > raised[dev]) {
     cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return static_cast<int>(err);
-    raised = smem;
+    raised[dev] = smem;
   }
   decode_gemm_kernel<NT, D, GROUPED><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
