@@ -53,9 +53,10 @@ _verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_
 
 
 def cuda_config(m: int) -> dict:
-    """CUDA decode kernel config for M token rows: one n8 tile per CTA up to 8 rows, else two (16 rows per
-    CTA; more rows take more CTAs); 4 warps x 16 weight rows, an 8-step cp.async ring, 4-step token segments."""
-    return dict(variant="cuda", NT=1 if m <= 8 else 2, W=4, D=8, SEG=4)
+    """CUDA decode kernel config for M token rows: n8 token tiles per CTA (1 up to 8 rows, 2 up to 16, else 4:
+    more independent mma chains per warp instead of more CTAs re-reading the weight); 4 warps x 16 weight
+    rows, an 8-step cp.async ring, 4-step token segments."""
+    return dict(variant="cuda", NT=1 if m <= 8 else 2 if m <= 16 else 4, W=4, D=8, SEG=4)
 
 
 def _configs(m: int, n: int, interpret: bool) -> dict:
