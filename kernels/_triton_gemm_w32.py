@@ -1,8 +1,7 @@
 """The NVFP4 GEMM main loop with 32-bit word loads (variants "decode32", "small", "w16w"; grouped too).
 
-Run 3 (docs/KERNELS_NOTES.md) found the byte-per-thread decode loop of ``_triton_gemm`` 8x slower than
-predicted: one-byte loads neither vectorize nor go through cp.async, so every K step waited on memory. Here
-the codes are read as int32 words ([R, BK/8] per K step) with the row stride passed as an argument (Triton
+Why words: the byte-per-thread decode loop of ``_triton_gemm`` issues one-byte loads, which neither vectorize
+nor go through cp.async, so every K step waits on memory. Here the codes are read as int32 words ([R, BK/8] per K step) with the row stride passed as an argument (Triton
 then knows it is a multiple of 16 and issues 16-byte cp.async copies), and the scales as int32 words too
 when K % 64 == 0 (each code word's thread picks its scale byte out of the word with a shift). Each thread
 decodes the 8 nibbles of its own words: the 4 low nibbles are the step's even-K values, the 4 high ones its
@@ -13,9 +12,9 @@ SWAP + A_F16 (variant "small", M <= 16): the weight tile is the dot's 64-row sid
 loop, and the tokens (pre-decoded fp16: 16 x K, tiny) its 16-wide side: no padded token rows are decoded and a
 64-row weight slice per program streams the packed weight.
 W_F16 (variant "w16w"): the weight is pre-decoded fp16 (``decode_f16``); only A is decoded in the loop.
-Triton 3.6 (the H200 image) fails in TritonGPUOptimizeDotOperands when a join/reshape-decoded tile is the
-dot's transposed second operand (run 4), so a decoded tile is only ever the first operand here ("decode32",
-which decodes both, builds with Triton 3.9 but not 3.6: kept for newer Triton, never a default).
+Triton 3.6 fails in TritonGPUOptimizeDotOperands when a join/reshape-decoded tile is the dot's transposed
+second operand, so a decoded tile is only ever the first operand here ("decode32", which decodes both, builds
+with Triton 3.9 but not 3.6: kept for newer Triton, never a default).
 """
 from __future__ import annotations
 

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from .weights import _u8, decode_f16
+
 WORD_VARIANTS = ("decode32", "small", "w16w")
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 def _scale_view(s: torch.Tensor, words: bool) -> torch.Tensor:
@@ -40,7 +38,6 @@ def launch_dense(a, wq, w_f16, out, bias, cfg: dict) -> torch.Tensor:
         w_rs = w_arg.stride(0)
     a_words = a_codes.view(torch.int32)
     if variant == "small":  # tokens pre-decoded (M <= 16 rows: a few KB per K step)
-        from .gemm import decode_f16
         a_words = decode_f16(a)
     a_s, w_s = _scale_view(a_sc, words), _scale_view(w_sc, words)
     tiles_m = (m + bm - 1) // bm

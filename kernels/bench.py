@@ -6,7 +6,12 @@ configs), determinism (two runs), grouped GEMM vs per-expert reference. Then tim
 in the same run: cuBLAS bf16 (torch.matmul), fp8 torch._scaled_mm, naive emulation (dequantize both to bf16,
 then matmul), torch._grouped_mm bf16 (MoE), ours. Medians from triton.testing (CUDA-graph replays by default,
 so Python launch overhead is out of every provider's numbers; --no-graph uses do_bench), inputs rotated over
-copies larger than L2. Writes long-format CSV + a markdown summary, both with provenance.
+copies larger than L2. ``run`` hands long-format rows and a markdown summary to its caller's ``publish``
+after every group (the CLI job ``minite kernel-bench`` writes them with provenance).
+
+Decode regime: M = 1..64 on every shape and grouped GEMMs at 1/8/16/64 tokens x top-8 (random routing, exact
+per-expert counts); ``gbps`` is the bytes a provider must move (its operands in its own format, read once,
+plus the output) over its time.
 """
 from __future__ import annotations
 
@@ -14,12 +19,10 @@ import argparse
 import itertools
 import math
 import sys
-from pathlib import Path
 
 import torch
 
 from minite import nvfp4 as ref
-from minite.provenance import provenance, write_csv, write_text
 
 from . import checks
 from .gemm import (GROUPED_F16_CONFIG, PreparedWeight, grouped_nvfp4_gemm, nvfp4_gemm, prepare_experts,
@@ -27,14 +30,17 @@ from .gemm import (GROUPED_F16_CONFIG, PreparedWeight, grouped_nvfp4_gemm, nvfp4
 from .quantize import quantize
 
 L2_BYTES = 60 * 2 ** 20
-# Qwen3-30B-A3B projections (hidden 2048) as (name, N, K), plus a square one
+# Qwen3-30B-A3B projections (hidden 2048) as (name, N, K), plus a square one; expert gate_up is the fused
+# gate + up projection (2 x 768 rows)
 SHAPES = [("q_proj", 4096, 2048), ("k_proj", 512, 2048), ("v_proj", 512, 2048), ("o_proj", 2048, 4096),
-          ("expert_gate_up", 768, 2048), ("expert_down", 2048, 768), ("router", 128, 2048),
+          ("expert_gate_up", 1536, 2048), ("expert_down", 2048, 768), ("router", 128, 2048),
           ("square8192", 8192, 8192)]
-MS = [1, 16, 128, 1024, 4096, 16384]
+DECODE_MS = [1, 2, 4, 8, 16, 32, 64]
+MS = DECODE_MS + [128, 1024, 4096, 16384]
 QUICK_SHAPES = [("q_proj", 4096, 2048), ("square8192", 8192, 8192)]
 QUICK_MS = [1, 16, 4096]
-GROUPED = [("moe_gate_up", 768, 2048), ("moe_down", 2048, 768)]
+GROUPED = [("moe_gate_up", 1536, 2048), ("moe_down", 2048, 768)]
+DECODE_TOKENS = [1, 8, 16, 64]  # x top-8 over 128 experts: <= 16 rows per expert
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -171,10 +177,9 @@ def _c(variant, bm, bn, warps, stages, group_m=8):
 
 
 # --sweep: alternatives timed beside the default at a few (shape, M) points; f16/w16/w16w rows use the
-# prepared weight (its one-time decode is not timed). Run 3 swept decode 64x32/64x128/128x128, w16 128x256 s2,
-# f16 128x256 s4 (702 TFLOP/s at 8192^3 M=4096, now the default) / 256x128 s3 / 128x128 s4.
+# prepared weight (its one-time decode is not timed). decode32 is absent: Triton 3.6 cannot build it.
 PREPARED_VARIANTS = ("f16", "w16", "w16w")
-SWEEPS = {  # run 4: decode32 (both operands decoded from words) does not build on Triton 3.6; w16w lost to f16
+SWEEPS = {
     ("square8192", 1): [_c("decode", 64, 64, 4, 4, 1), _c("small", 16, 64, 4, 4, 1), _c("small", 16, 32, 4, 4, 1)],
     ("square8192", 16): [_c("decode", 64, 64, 4, 4, 1)],
     ("square8192", 4096): [_c("f16", 128, 256, 8, 3)],
@@ -188,17 +193,19 @@ GROUPED_SWEEP = [dict(BM=128, BN=128, num_warps=8, num_stages=4, variant="f16"),
 
 
 def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> torch.Tensor:
-    """Random top-k routing -> per-expert row counts rounded to a multiple of ``align`` -> offsets [E+1]."""
+    """Random top-k routing -> per-expert row counts rounded to a multiple of ``align`` (1: exact) ->
+    offsets [E+1]."""
     g = torch.Generator().manual_seed(tokens)
     logits = torch.randn(tokens, experts, generator=g)
     counts = torch.bincount(logits.topk(top_k, dim=1).indices.flatten(), minlength=experts)
-    counts = (counts + align // 2) // align * align
+    if align > 1:
+        counts = (counts + align // 2) // align * align
     return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
 
 
 def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=False):
     e, top_k = 128, 8
-    offs = moe_offsets(tokens, e, top_k, dev)
+    offs = moe_offsets(tokens, e, top_k, dev, align=1 if tokens in DECODE_TOKENS else 16)
     m = int(offs[-1])
     a = quantize(torch.randn(m, k, device=dev), scaling="row")
     ws = stack_experts([quantize(torch.randn(n, k, device=dev)) for _ in range(e)])
@@ -207,8 +214,11 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
     w16 = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16)
     offs32 = offs[1:].to(torch.int32)
     flops = 2.0 * m * n * k
-    per_set = {"grouped_mm_bf16": _nbytes(a16, w16) + m * n * 2, "ours": _nbytes(a, ws.codes, ws.scales) + m * n * 2,
-               "ours_prepared": _nbytes(a, wsp.f16 if wsp.f16 is not None else wsp.codes) + m * n * 2}
+    used = int((offs[1:] > offs[:-1]).sum())  # experts with rows: the weights a provider must read
+    per_set = {"grouped_mm_bf16": _nbytes(a16) + used * n * k * 2 + m * n * 2,
+               "ours": _nbytes(a) + used * _nbytes(ws.codes[0], ws.scales[0]) + m * n * 2,
+               "ours_prepared": _nbytes(a) + used * _nbytes(wsp.f16[0] if wsp.f16 is not None else wsp.codes[0])
+               + m * n * 2}
 
     def mk(provider, cfg=None):
         prep = provider == "ours_prepared" or (cfg is not None and cfg["variant"] in PREPARED_VARIANTS)
@@ -263,35 +273,40 @@ def _dry_timer(make, nbytes):
     return float("nan")
 
 
-def run(args) -> int:
+def run(args, prov: dict, publish) -> int:
+    """Check, then time; ``prov``: the provenance block (sha, device, command, date, ...) every row and the
+    summary carry; ``publish(df, summary_markdown)`` is called after every group (a killed run leaves the
+    complete groups)."""
     dry = getattr(args, "dry_run", False)
     if not torch.cuda.is_available() and not dry:
         print("kernel-bench needs a CUDA GPU (none visible); --dry-run runs the pipeline on CPU untimed",
               file=sys.stderr)
         return 2
     import pandas as pd
+
+    from .gemm import config_status
+    from .report import summary
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prov = provenance(dev)
     torch.manual_seed(0)
-    check_lines = [] if (args.skip_checks or dry) else checks.run_all(dev)
+    check_lines = [] if (args.skip_checks or dry) else checks.run_all(dev) + decode_checks(dev)
     timer = _dry_timer if dry else Timer(graph=not args.no_graph, rep=args.rep)
     rows: list[dict] = []
-    out = Path(args.out)
-    from .gemm import config_status
     kind = ("dry run: untimed" if dry else "CUDA-graph replays (triton.testing.do_bench_cudagraph)"
             if timer.graph else "triton.testing.do_bench")
 
-    def flush():  # rewrite CSV + summary after every group: a killed run still leaves valid, complete rows
+    def flush():
         df = pd.DataFrame(rows)
         for key in ("command", "date"):
             df[key] = prov[key]
-        write_csv(out, df)
-        write_text(out.with_suffix(".md"), summary(df, prov, check_lines, kind, config_status()))
-    from .report import summary
+        md = summary(df, prov, check_lines, kind, config_status())
+        publish(df, md)
+        return md
     shapes, ms_list = (QUICK_SHAPES, QUICK_MS) if args.quick else (SHAPES, MS)
-    grouped, tokens_list, qms = GROUPED, ([16384] if args.quick else [4096, 16384]), [4096, 16384]
+    grouped = GROUPED
+    tokens_list = [1, 16, 16384] if args.quick else DECODE_TOKENS + [4096, 16384]
+    qms = [4096, 16384]
     if dry:
-        shapes, ms_list, grouped, tokens_list, qms = [("tiny", 48, 160)], [1, 17], [("moe_tiny", 32, 64)], [64], [8]
+        shapes, ms_list, grouped, tokens_list, qms = [("tiny", 48, 256)], [1, 17], [("moe_tiny", 32, 128)], [1, 64], [8]
     # order: MoE first, then the square shape, then the Qwen projections (a run cut short keeps the most)
     for tokens in tokens_list[::-1]:
         for name, n, k in grouped:
@@ -304,16 +319,39 @@ def run(args) -> int:
     qtimer = timer if dry else Timer(graph=False, rep=args.rep)  # the torch reference syncs: no graph
     for m in qms:
         bench_quantize(qtimer, m, 64 if dry else 2048, dev, rows, prov["sha"], prov["device"])
-    flush()
-    print(out.with_suffix(".md").read_text())
+    print(flush())
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minite.kernels.bench", description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def decode_checks(device) -> list[str]:
+    """Decode-regime batch invariance (GPU): rows at M = 1..64 (the decode kernel) bitwise equal to the same
+    rows inside M = 16384 (the large-M path), dense with a bias; grouped at 1 and 8 tokens x top-8 over 128
+    experts bitwise equal to the grouped decode loop (the reference config)."""
+    from .gemm import GROUPED_FALLBACK, config_status
+    lines = []
+    g = torch.Generator(device="cpu").manual_seed(11)
+    n, k = 1536, 2048
+    a = quantize(torch.randn(16384, k, generator=g).to(device), scaling="row")
+    w = quantize(torch.randn(n, k, generator=g).to(device))
+    bias = torch.randn(n, generator=g).to(device)
+    for dt in (torch.float32, torch.bfloat16):
+        full = nvfp4_gemm(a, w, out_dtype=dt, bias=bias)
+        bad = [m for m in DECODE_MS if not torch.equal(
+            nvfp4_gemm(ref.NVFP4Tensor(a.codes[7:7 + m], a.scales[7:7 + m], a.global_scale[7:7 + m]), w,
+                       out_dtype=dt, bias=bias), full[7:7 + m])]
+        lines.append(f"- {'FAIL' if bad else 'PASS'} decode batch invariance M in {DECODE_MS} vs M=16384, "
+                     f"{str(dt)[6:]} + bias: {'differ at M=' + str(bad) if bad else 'bitwise equal'}")
+    e, top_k = 128, 8
+    ws = stack_experts([quantize(torch.randn(256, k, generator=g).to(device)) for _ in range(e)])
+    for tokens in (1, 8):
+        offs = moe_offsets(tokens, e, top_k, device, align=1)
+        m = int(offs[-1])
+        x = quantize(torch.randn(m, k, generator=g).to(device), scaling="row")
+        out = grouped_nvfp4_gemm(x, ws, offs, out_dtype=torch.float32)
+        same = torch.equal(out, grouped_nvfp4_gemm(x, ws, offs, out_dtype=torch.float32, config=GROUPED_FALLBACK))
+        lines.append(f"- {'PASS' if same else 'FAIL'} grouped decode {tokens} token(s) x top-{top_k}, {e} experts: "
+                     f"{'bitwise equal' if same else 'differs from'} the grouped decode loop")
+    lines.append("- configs probed: " + ", ".join(f"`{c}` {v}" for c, v in config_status().items()))
+    for line in lines:
+        print(line, flush=True)
+    return lines

@@ -2,7 +2,8 @@
 
 Paths, chosen per call (``_backend.resolve`` + the device's capability):
     Hopper / older CUDA, and CPU with backend="triton" (interpreter): ``_triton_gemm`` (decode to fp16,
-        tensor-core dot, fp32 accumulate, one fixed K order: batch invariant).
+        tensor-core dot, fp32 accumulate, one fixed K order: batch invariant); few token rows (decode) on the
+        GPU: ``_cuda_decode`` (same values, same mma, same K order; used once a probe proved it bit-equal).
     Blackwell (sm_100/103): ``blackwell`` (torch._scaled_mm on float4_e2m1fn_x2, global scales after).
     CPU (default) or no Triton: ``_torch_gemm`` (exact float64 chunks, batch invariant).
 """
@@ -30,31 +31,42 @@ def _check_common(a, k_w: int, device, out_dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------- Triton launch
-# The safe config: the reference every other config is probed against (and the fallback for M 17..64 and
-# for any config not proven bit-equal on this GPU).
+# The safe config: the reference every other config is probed against (and the fallback for any config not
+# proven bit-equal on this GPU).
 SAFE_CONFIG = dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=4, variant="decode")
-# Variants: "decode" (both operands decoded in the loop from bytes: _triton_gemm), "small" (M <= 16: word
-# loads, weight tile on the 64-row side of the dot: streams the packed weight), "decode32" (word loads, both
-# decoded), "w16w" (weight pre-decoded fp16, A decoded from words), "f16" (both pre-decoded: plain fp16 GEMM).
-# 8 warps: two warpgroups split the 16 tokens (wgmma 64x8x16), 2 warps per scheduler to hide the decode's
-# latency (sm_90 SASS of the 4-warp form: ~720 instructions per K step on one warp per scheduler)
+# Variants: "decode" (both operands decoded in the loop from bytes: _triton_gemm), "small" (word loads, weight
+# tile on the 64-row side of the dot: streams the packed weight), "decode32" (word loads, both decoded),
+# "w16w" (weight pre-decoded fp16, A decoded from words), "f16" (both pre-decoded: plain fp16 GEMM), "cuda"
+# (the decode-regime CUDA kernel, ``_cuda_decode``: no tiles, NT token tiles of 8 per CTA).
+# "small" with 8 warps: two warpgroups split the 16 tokens (wgmma 64x8x16), two warps per scheduler to hide
+# the in-loop decode's latency.
 SMALL_CONFIG = dict(BM=16, BN=64, GROUP_M=1, num_warps=8, num_stages=4, variant="small")
-# next candidate if SMALL_CONFIG is not proven bit-equal here: 32 weight rows (mma.sync m16n8k16), 2 programs/SM
+# 32 weight rows (mma.sync m16n8k16): twice the programs of SMALL_CONFIG, faster where N is narrow
 SMALL_ALT_CONFIG = dict(BM=16, BN=32, GROUP_M=1, num_warps=4, num_stages=4, variant="small")
 MID_CONFIG = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
 TALL_CONFIG = dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=4, variant="f16")
 BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant="f16")
+# Up to CUDA_MAX_M token rows the CUDA decode kernel serves (where it is built and proven): it streams the
+# packed weight once per 8 * NT tokens; above, the tensor-core-bound Triton configs win.
+CUDA_MAX_M = 64
 _verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_CONFIG on this GPU
 
 
+def cuda_config(m: int) -> dict:
+    """CUDA decode kernel config for M token rows: n8 token tiles per CTA (1 up to 8 rows, 2 up to 16, else 4:
+    more independent mma chains per warp instead of more CTAs re-reading the weight); 4 warps x 16 weight
+    rows, an 8-step cp.async ring, 4-step token segments."""
+    return dict(variant="cuda", NT=1 if m <= 8 else 2 if m <= 16 else 4, W=4, D=8, SEG=4)
+
+
 def _configs(m: int, n: int, interpret: bool) -> dict:
-    """Tile config by (M, N). BK is fixed (``_triton_gemm.BK``) and every variant feeds the same fp16 values
-    to the same fp16 -> fp32 dot in the same K order, so row bits should not depend on the choice; that is
-    not assumed: on first use each config is run beside SAFE_CONFIG on a probe problem and used only if
-    the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M).
+    """Triton tile config by (M, N). BK is fixed (``_triton_gemm.BK``) and every variant feeds the same fp16
+    values to the same fp16 -> fp32 dot in the same K order, so row bits should not depend on the choice;
+    that is not assumed: on first use each config is run beside SAFE_CONFIG on a probe problem and used only
+    if the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M).
     Why these: M <= 16 is memory-bound (stream 4.5 bits/weight, decoded in the loop); above, the tensor
     cores bound it and in-loop decoding would cost as much ALU time as they take: pre-decode both (f16).
-    Run 4: w16w (A decoded in the loop) lost to f16 even at N=128/512 (52-125 vs 100-382 TFLOP/s)."""
+    Decoding A in the loop (w16w) measured slower than the f16 pass even at N = 128..512."""
     if interpret:
         return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
     if m <= 16:
@@ -67,27 +79,38 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
     return dict(cfg)
 
 
+def config_name(c: dict) -> str:
+    if c.get("variant") == "cuda":
+        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}"
+    return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
+
+
 def config_status() -> dict:
     """{config name: proven bit-equal to SAFE_CONFIG} for the configs probed so far in this process."""
     def name(k):
-        if isinstance(k[0], str):  # ("grouped-f16", device): grouped f16 vs grouped decode loop
+        if isinstance(k[0], str):  # ("grouped-<config>", device): a grouped config vs the grouped decode loop
             return k[0]
-        c = dict(k[1])
-        return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
+        return config_name(dict(k[1]))
     return {name(k): v for k, v in _verified.items()}
 
 
 def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1088) -> bool:
     """Probe: cfg vs SAFE_CONFIG on random [m, k] x [n, k] (k % 128 != 0: the masked tail too; k % 64 == 0:
-    the int32 scale-word loads too)."""
+    the int32 scale-word loads too). The CUDA kernel takes whole 128-wide K steps only: k = 1152 for it, and
+    a 5-row problem beside (one partial token tile)."""
     from minite.kernels.quantize import quantize
     g = torch.Generator(device="cpu").manual_seed(1234)
+    if cfg.get("variant") == "cuda":
+        k = -(-k // 128) * 128
     try:
         a = quantize((torch.randn(m, k, generator=g) * 3).to(device), scaling="row")
         w = quantize(torch.randn(n, k, generator=g).to(device), scaling="row")
-        got = _triton_dense(a, w, torch.float32, None, cfg)
-        want = _triton_dense(a, w, torch.float32, None, SAFE_CONFIG)
-        return bool(torch.equal(got, want))
+        ok = True
+        for rows in ((slice(0, m), slice(0, 5)) if cfg.get("variant") == "cuda" else (slice(0, m),)):
+            sub = NVFP4Tensor(a.codes[rows], a.scales[rows], a.global_scale[rows])
+            got = _triton_dense(sub, w, torch.float32, None, cfg)
+            ok &= bool(torch.equal(got, _triton_dense(sub, w, torch.float32, None, SAFE_CONFIG)))
+        return ok
     except Exception as exc:  # OutOfResources (shared memory) or a compiler failure: do not use it
         import warnings
         warnings.warn(f"minite.kernels: GEMM config {cfg} unusable here ({type(exc).__name__}: "
@@ -105,7 +128,20 @@ def _proven(cfg: dict, device) -> bool:
     return ok
 
 
-def _pick_config(m: int, n: int, device) -> dict:
+def _cuda_module(device):
+    """The built CUDA decode kernel for this GPU, or None."""
+    from . import _backend, _cuda_decode
+    if device.type != "cuda" or not _cuda_decode.enabled():
+        return None
+    return _cuda_decode.module(_backend.capability(device))
+
+
+def _pick_config(m: int, n: int, device, cuda_ok: bool = False) -> dict:
+    """``cuda_ok``: the CUDA decode kernel is built here and takes these operands (``_cuda_decode.supports``)."""
+    if cuda_ok and m <= CUDA_MAX_M:
+        cfg = cuda_config(m)
+        if _proven(cfg, device):
+            return cfg
     cfg = _configs(m, n, device.type == "cpu")
     if device.type == "cpu" or cfg == SAFE_CONFIG:
         return cfg
@@ -119,6 +155,7 @@ def _pick_config(m: int, n: int, device) -> dict:
 
 
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
+    from . import _cuda_decode
     from . import _triton_gemm as tg
     from . import _w32_launch
     prepared = w if isinstance(w, PreparedWeight) else None
@@ -126,11 +163,17 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     m, k = a.shape
     n = wq.shape[0]
     dev = a.device
-    cfg = dict(config) if config else _pick_config(m, n, dev)
+    mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
+    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
+    cfg = dict(config) if config else _pick_config(m, n, dev, cuda_ok)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
     variant = cfg.get("variant", "decode")
+    if variant == "cuda":
+        if not cuda_ok:
+            raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
+        return _cuda_decode.dense(mod, a, wq, out, bias, cfg)
     if variant not in ("decode", "w16", "f16") + _w32_launch.WORD_VARIANTS:
         raise ValueError(f"unknown GEMM variant {variant!r}")
     w_f16 = None
@@ -156,28 +199,41 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     return out
 
 
-def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, device=None) -> dict:
-    """Pre-decoded experts -> f16 for every M (A decoded by a pass, then a plain fp16 grouped GEMM). Packed
-    experts -> the byte decode loop, or, once M >= 64 rows per expert on average, f16 with the experts
-    decoded on this call (run 4: 359 vs 85 TFLOP/s at 16384 tokens) -- the latter only where a probe proved
-    it bit-equal to the decode loop on this GPU (so a row's bits do not depend on M)."""
+def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, device=None,
+                    cuda_ok: bool = False) -> dict:
+    """Few rows per expert (M <= GROUPED_CUDA_ROWS * E on average: decode) -> the CUDA decode kernel, which
+    reads only the packed weights of the experts in use. Else pre-decoded experts -> f16 for every M (A decoded
+    by a pass, then a plain fp16 grouped GEMM). Packed experts -> the byte decode loop, or, once M >= 64 rows
+    per expert on average, f16 with the experts decoded on this call. Each non-fallback choice only where a
+    probe proved it bit-equal to the grouped decode loop on this GPU (so a row's bits do not depend on M)."""
     if interpret:
         return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode")
+    if cuda_ok and m <= GROUPED_CUDA_ROWS * e:
+        cfg = grouped_cuda_config(m, e)
+        if _grouped_proven(cfg, device):
+            return cfg
     if prepared:
         return dict(GROUPED_F16_CONFIG)
-    if m >= 64 * e and device is not None and _grouped_f16_proven(device):
+    if m >= 64 * e and device is not None and _grouped_proven(GROUPED_F16_CONFIG, device):
         return dict(GROUPED_F16_CONFIG)
     return dict(GROUPED_FALLBACK)
 
 
 GROUPED_F16_CONFIG = dict(BM=128, BN=256, num_warps=8, num_stages=4, variant="f16")
 GROUPED_FALLBACK = dict(BM=64, BN=64, num_warps=4, num_stages=4, variant="decode")
+GROUPED_CUDA_ROWS = 32  # rows per expert (average) up to which the CUDA decode kernel serves grouped GEMMs
 _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then GROUPED_FALLBACK: same K order)
 
 
-def _grouped_f16_proven(device) -> bool:
-    """Probe (once per GPU): grouped f16 vs the grouped decode loop on a ragged problem with empty groups."""
-    key = ("grouped-f16", device.index)
+def grouped_cuda_config(m: int, e: int) -> dict:
+    """Token tiles of 8 rows when experts average <= 4 rows (decode: most experts get 1..3 tokens), else 16."""
+    return dict(variant="cuda", NT=1 if m <= 4 * e else 2, W=4, D=8, SEG=4)
+
+
+def _grouped_proven(cfg: dict, device) -> bool:
+    """Probe (once per config and GPU): cfg vs the grouped decode loop on a ragged problem with empty groups
+    (K in whole 128-wide steps, which every grouped config takes)."""
+    key = ("grouped-" + config_name(cfg), device.index)
     if key in _verified:
         return _verified[key]
     if torch.cuda.is_current_stream_capturing():
@@ -186,15 +242,15 @@ def _grouped_f16_proven(device) -> bool:
     g = torch.Generator(device="cpu").manual_seed(4321)
     ok = False
     try:
-        counts, n, k = [37, 0, 200, 63], 384, 1088
+        counts, n, k = [37, 0, 200, 63, 1, 5], 384, 1152
         offs = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))], device=device)
         a = quantize((torch.randn(offs[-1].item(), k, generator=g) * 3).to(device), scaling="row")
         ex = stack_experts([quantize(torch.randn(n, k, generator=g).to(device)) for _ in counts])
-        got = _triton_grouped(a, ex, offs, torch.float32, GROUPED_F16_CONFIG)
+        got = _triton_grouped(a, ex, offs, torch.float32, cfg)
         ok = bool(torch.equal(got, _triton_grouped(a, ex, offs, torch.float32, GROUPED_FALLBACK)))
     except Exception as exc:
         import warnings
-        warnings.warn(f"minite.kernels: grouped f16 path unusable here ({type(exc).__name__}: {str(exc)[:200]})",
+        warnings.warn(f"minite.kernels: grouped config {cfg} unusable here ({type(exc).__name__}: {str(exc)[:200]})",
                       RuntimeWarning, stacklevel=2)
     _verified[key] = ok
     return ok
@@ -202,7 +258,7 @@ def _grouped_f16_proven(device) -> bool:
 
 def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
     """Device-side (no host sync) list of row tiles: expert id (-1 = unused slot) and first row, sized by
-    the upper bound cdiv(M, BM) + E."""
+    the upper bound cdiv(M, BM) + E, valid tiles first; and the number of valid tiles (int64 [1])."""
     e = offsets.numel() - 1
     counts = (offsets[1:] - offsets[:-1]).clamp_min(0)
     tiles = (counts + bm - 1) // bm
@@ -214,25 +270,33 @@ def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
     expert_c = expert.clamp_max(e - 1)
     first_tile = ends[expert_c] - tiles[expert_c]
     row = offsets[:-1][expert_c] + (idx - first_tile) * bm
-    return torch.where(valid, expert_c, -1).to(torch.int32), row.to(torch.int32), bound
+    return (torch.where(valid, expert_c, -1).to(torch.int32), row.to(torch.int32), bound,
+            ends[-1:].to(torch.int64))
 
 
 def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+    from . import _cuda_decode
     from . import _triton_gemm as tg
     from . import _w32_launch
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
-    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev)
+    mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
+    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, ex.codes, ex.scales)
+    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
     variant = cfg.get("variant", "decode")
+    if variant == "cuda":
+        if not cuda_ok:
+            raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
+        return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg)
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
-    tile_e, tile_r, bound = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])
+    tile_e, tile_r, bound, _ = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])
     offs32 = offsets.to(torch.int32).contiguous()
     try:
         if variant in _w32_launch.WORD_VARIANTS:

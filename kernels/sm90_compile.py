@@ -1,10 +1,15 @@
 """``python -m minite.kernels.sm90_compile``: compile every GEMM config for sm_90 without a GPU (triton's own
 ptxas), print registers / shared memory / spills / cp.async and wgmma counts, fail on a config that would not
-fit an H200 (227 KB shared memory per block). Run before spending device time (docs/KERNELS_NOTES.md)."""
+fit an H200 (227 KB shared memory per block); then, where nvcc is installed, the CUDA decode kernel
+(``decode_gemm.cu``, every instantiation: registers and spills from ptxas). Run before spending device time."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 SMEM_LIMIT = 232448  # bytes per block on sm_90
 
@@ -39,6 +44,38 @@ def configs():
     yield "grouped", dict(G.GROUPED_FALLBACK)
     for c in GROUPED_SWEEP:
         yield "grouped", dict(c)
+
+
+def compile_cuda() -> int:
+    """nvcc -cubin of the CUDA decode kernel for sm_90; prints each instantiation's registers and spills.
+    Returns the number of failures (0 when nvcc is absent: nothing to check)."""
+    from . import _cuda_decode
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("skip cuda decode kernel: no nvcc on PATH")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        run = subprocess.run([nvcc, "-O3", _cuda_decode.arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o",
+                              os.path.join(tmp, "k.cubin"), str(_cuda_decode.SOURCE)], capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"FAIL cuda decode kernel: {run.stderr[-1500:]}")
+        return 1
+    name = None
+    for line in run.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            name, spills = m.group(1), 0
+            continue
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m and name:
+            spills = int(m.group(1))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            t = re.search(r"ILi(\d+)ELi(\d+)ELb(\d)", name)
+            label = f"nt{t.group(1)} d{t.group(2)} {'grouped' if t.group(3) == '1' else 'dense'}" if t else name
+            print(f"{'ok  ' if spills == 0 else 'SPIL'} cuda decode {label:22s} regs {m.group(1)} spill bytes {spills}")
+            name = None
+    return 0
 
 
 def main() -> int:
@@ -97,6 +134,7 @@ def main() -> int:
         bad += not ok
         print(f"{'ok  ' if ok else 'SMEM'} {name:34s} smem {smem / 1024:6.1f} KB  cp.async {cp:4d} (16B {cp16:3d}) "
               f"bulk {tma:3d} wgmma {wg:3d} mma.sync {mma:3d} regs {regs} spills {spills}", flush=True)
+    bad += compile_cuda()
     return 1 if bad else 0
 
 

@@ -8,5 +8,15 @@ def add_args(parser) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
+    import torch
+
     from minite.kernels import bench
-    return bench.run(args)
+    from minite.provenance import provenance, write_csv, write_text
+    out = Path(args.out)
+
+    def publish(df, summary_md):
+        write_csv(out, df)
+        write_text(out.with_suffix(".md"), summary_md)
+    return bench.run(args, provenance(torch.device("cuda" if torch.cuda.is_available() else "cpu")), publish)

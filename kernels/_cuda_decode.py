@@ -1,0 +1,143 @@
+"""The decode-regime NVFP4 GEMM (few token rows: dense M <= 64, grouped with few rows per expert) as a CUDA
+kernel (``decode_gemm.cu``), built on first use with ``torch.utils.cpp_extension.load_inline``.
+
+Why CUDA here: at M <= 16 the whole cost is streaming the packed weight and one fp16 -> fp32 mma chain per
+16 weight rows. Triton 3.6 puts an in-loop decoded tile through shared memory with one 16-bit store per
+element before the dot (bank-conflicted, ~1.4 us per 128-wide K step); the CUDA kernel decodes straight into
+the mma.sync fragment registers (see the .cu header). It feeds the same fp16 values to the same mma in the
+same K order as the Triton kernels, so a first-use probe (``gemm``) can prove it bit-equal to them; without
+nvcc, on a GPU older than sm_80, or when the build fails, callers get ``None`` from ``module()`` and use
+the Triton path (a warning says why, once). ``_decode_twin`` mirrors its fragment layout on CPU for tests.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_gemm.cu")
+STEP_K = 128         # K per step (the kernels' BK)
+ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
+TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
+MAX_EXPERTS = 4096   # the per-CTA tile scan lives in shared memory (4 bytes per expert)
+_DECL = """
+int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
+                           int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
+                           int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
+                           int64_t grid_y, int64_t offsets, int64_t offsets64, int64_t n_experts,
+                           int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream);
+"""
+_OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+DEPTHS = (4, 8)     # cp.async ring depths compiled in
+TILES = (1, 2, 4)   # n8 token tiles per CTA compiled in
+
+
+def enabled() -> bool:
+    """False when MINITE_KERNELS_CUDA=0 (then the Triton kernels serve every M)."""
+    return os.environ.get("MINITE_KERNELS_CUDA", "1") != "0"
+
+
+def arch_flag(cap: tuple[int, int]) -> str:
+    major, minor = cap
+    return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def module(cap: tuple[int, int]):
+    """The built extension for a device of compute capability ``cap``, or None (reason warned once)."""
+    if not enabled():
+        return None
+    if cap < (8, 0):
+        return _unavailable(f"mma.sync m16n8k16 needs sm_80 or newer (device is sm_{cap[0]}{cap[1]})")
+    from torch.utils import cpp_extension
+    nvcc = Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+    if not nvcc.exists():
+        return _unavailable("no nvcc found (set CUDA_HOME)")
+    kw = {}
+    if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
+        kw["no_implicit_headers"] = True  # the kernel needs no torch headers: a faster build
+    try:
+        return cpp_extension.load_inline(
+            name=f"minite_decode_gemm_sm{cap[0]}{cap[1]}", cpp_sources=[_DECL], cuda_sources=[SOURCE.read_text()],
+            functions=["decode_gemm_launch"], extra_cuda_cflags=["-O3", arch_flag(cap)],
+            verbose=False, **kw)
+    except Exception as exc:  # compiler missing pieces, or a build error
+        return _unavailable(f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")
+
+
+def _unavailable(why: str):
+    warnings.warn(f"minite.kernels: the CUDA decode GEMM is unavailable: {why}; using the Triton kernels",
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
+def supports(k: int, n: int, a, w_codes: torch.Tensor, w_scales: torch.Tensor) -> bool:
+    """Operands the kernel takes: K in whole 128-wide steps, N in whole 16-row warps, rows densely packed
+    (codes K/2 bytes apart, scales K/16), code bases 16-byte aligned (cp.async and 16-byte token loads),
+    weight scales 8-byte and token scales 2-byte aligned. Anything else: the Triton kernels (same bits)."""
+    def rows_packed(t, width):
+        return t.dim() >= 2 and t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == width)
+    return (k % STEP_K == 0 and n % ROWS_PER_WARP == 0
+            and rows_packed(a.codes, k // 2) and rows_packed(a.scales, k // 16)
+            and rows_packed(w_codes, k // 2) and rows_packed(w_scales, k // 16)
+            and a.codes.data_ptr() % 16 == 0 and w_codes.data_ptr() % 16 == 0
+            and w_scales.data_ptr() % 8 == 0 and a.scales.data_ptr() % 2 == 0)
+
+
+def _seg(cfg: dict, nt: int, warps: int) -> int:
+    """K steps per token-fragment segment: the requested one, capped so one segment's token units
+    (seg * 32 * nt) fit two per thread."""
+    return max(1, min(cfg.get("SEG", 4), (2 * warps) // nt))
+
+
+def _check(cfg: dict) -> tuple[int, int, int]:
+    nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
+    if nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or 2 * warps < nt:
+        raise ValueError(f"bad CUDA decode GEMM config {cfg}")
+    return nt, depth, warps
+
+
+def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, offsets=None, strides=(0, 0, 0)):
+    nt, depth, warps = _check(cfg)
+    offs, offs64, n_experts = 0, 0, 0
+    if offsets is not None:
+        offs, offs64, n_experts = offsets.data_ptr(), int(offsets.dtype == torch.int64), offsets.numel() - 1
+    rc = mod.decode_gemm_launch(
+        a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
+        gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
+        int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps,
+        _seg(cfg, nt, warps), grid_y, offs, offs64, n_experts, *strides,
+        torch.cuda.current_stream(out.device).cuda_stream)
+    if rc != 0:
+        raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
+    return out
+
+
+def dense(mod, a, w, out, bias, cfg: dict) -> torch.Tensor:
+    """out[M, N] = a @ w.T (a, w NVFP4; ``out`` preallocated). Grid: weight-row groups x token tiles."""
+    m, k = a.shape
+    n = w.shape[0]
+    ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
+    b32 = None if bias is None else bias.to(torch.float32).contiguous()
+    grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
+    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y)
+
+
+def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
+    of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all)."""
+    m, k = a.shape
+    e, n, _ = ex.shape
+    if offsets.dtype not in (torch.int32, torch.int64) or e > MAX_EXPERTS:
+        raise ValueError(f"CUDA decode GEMM: offsets int32/int64 and at most {MAX_EXPERTS} experts")
+    ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
+    tile_rows = TOKENS_PER_TILE * cfg["NT"]
+    bound = min(m, -(-m // tile_rows) + e)  # tiles that can hold rows
+    groups_x = -(-(n // ROWS_PER_WARP) // cfg["W"])
+    grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
+    strides = (ex.codes.stride(0), ex.scales.stride(0), gw.stride(0))
+    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, offsets.contiguous(), strides)

@@ -1,0 +1,203 @@
+"""CPU twin of ``decode_gemm.cu``: the same gathers, bit operations and fragment indexing, in PyTorch, so
+tests without a GPU can check what each lane hands to each mma.
+
+``weight_operand`` / ``token_operand`` rebuild, from the per-lane fragments exactly as the kernel forms them
+(PTX ISA layout of mma.m16n8k16 .f16 operands), the [rows, 128] fp16 tile of one K step in the order the
+mma consumes it (eight k16 pieces: the evens, then the odds). Tests compare that bitwise with
+``weights.decode_f16`` (the order the Triton kernels feed), and ``gemm`` (float64 over those fragments)
+with the reference. The bit helpers take int64 tensors holding unsigned 32-bit values.
+"""
+from __future__ import annotations
+
+import torch
+
+ROW_STEP_BYTES = 64  # codes of one row per 128-wide K step
+
+
+def low_nibbles(x: torch.Tensor) -> torch.Tensor:
+    """fp16 high bytes (sign << 7 | mag << 1) of the four even-K (low-nibble) elements of a word."""
+    return ((x << 4) & 0x80808080) | ((x << 1) & 0x0E0E0E0E)
+
+
+def high_nibbles(x: torch.Tensor) -> torch.Tensor:
+    return (x & 0x80808080) | ((x >> 3) & 0x0E0E0E0E)
+
+
+def byte_perm(x: torch.Tensor, y, sel: int) -> torch.Tensor:
+    """__byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of {y, x} (x = bytes 0-3)."""
+    y = torch.as_tensor(y, dtype=torch.int64)
+    out = torch.zeros_like(x)
+    for i in range(4):
+        src = (sel >> (4 * i)) & 7
+        byte = ((x if src < 4 else y) >> (8 * (src & 3))) & 0xFF
+        out = out | (byte << (8 * i))
+    return out
+
+
+def pair01(h: torch.Tensor) -> torch.Tensor:
+    return byte_perm(h, 0, 0x1404)
+
+
+def pair23(h: torch.Tensor) -> torch.Tensor:
+    return byte_perm(h, 0, 0x3424)
+
+
+def join16(lo16: torch.Tensor, hi16: torch.Tensor) -> torch.Tensor:
+    return byte_perm(lo16, hi16, 0x5410)
+
+
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """uint32 fp16x2 bits -> fp16 [..., 2] (low half first, as in the register)."""
+    lo = (bits & 0xFFFF).to(torch.int32).to(torch.int16)
+    hi = ((bits >> 16) & 0xFFFF).to(torch.int32).to(torch.int16)
+    return torch.stack([lo, hi], -1).view(torch.float16)
+
+
+def scale_pairs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four E4M3 bytes -> fp16 {s0, s2}, {s1, s3}: bits (e & 0x7F) << 7 (= s * 2^-8), times 256 in fp16."""
+    k256 = torch.tensor(256.0, dtype=torch.float16)
+    return _halves((w & 0x007F007F) << 7) * k256, _halves((w & 0x7F007F00) >> 1) * k256
+
+
+def scaled(pair_bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """__hmul2(pair, {s, s}): fp16 [..., 2] (exact products)."""
+    return _halves(pair_bits) * s[..., None]
+
+
+def _u16(buf: torch.Tensor, off) -> torch.Tensor:
+    """Little-endian u16 at byte offsets ``off`` of a uint8 buffer (last dim)."""
+    b = buf.to(torch.int64)
+    return b[..., off] | (b[..., off + 1] << 8)
+
+
+def _u32(buf: torch.Tensor, off) -> torch.Tensor:
+    return _u16(buf, off) | (_u16(buf, off + 2) << 16)
+
+
+def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step: int) -> torch.Tensor:
+    """fp16 [8 pieces, 32 lanes, 4 regs, 2] of one warp (rows row0..row0+15) for K step ``step``, as ``gather``
+    and the step body form them: the ring slot holds each row's 64 code bytes and 8 scale bytes; lane (g, t)
+    joins the u16s at 16 pc + 2t and 16 pc + 8 + 2t of rows g and g + 8 into one word per piece, and reads
+    the rows' scale bytes as two words."""
+    slot = codes[row0:row0 + 16, step * ROW_STEP_BYTES:(step + 1) * ROW_STEP_BYTES]
+    sc = scales.view(torch.uint8)[row0:row0 + 16, step * 8:(step + 1) * 8]
+    out = torch.empty(8, 32, 4, 2, dtype=torch.float16)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for r in range(2):
+            row = slot[g + 8 * r]
+            se, so = zip(*(scale_pairs(_u32(sc[g + 8 * r], 4 * wsel)) for wsel in range(2)))
+            for pc in range(4):
+                x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
+                s_a, s_b = se[pc >> 1][pc & 1], so[pc >> 1][pc & 1]  # blocks 2 pc, 2 pc + 1
+                for half, fn in ((0, low_nibbles), (1, high_nibbles)):
+                    h = fn(x)
+                    out[half * 4 + pc, lane, r] = scaled(pair01(h), s_a)
+                    out[half * 4 + pc, lane, 2 + r] = scaled(pair23(h), s_b)
+    return out
+
+
+def b_index(sl: int, j: int, piece: int, lane: int, r: int, nt: int) -> int:
+    return ((((sl * nt + j) * 4 + (piece >> 1)) * 32 + lane) << 2) + ((piece & 1) << 1) + r
+
+
+def token_fragments(codes: torch.Tensor, scales: torch.Tensor, m0: int, m_end: int, step: int,
+                    nt: int) -> torch.Tensor:
+    """fp16 [8 pieces, nt tiles, 32 lanes, 2 regs, 2] read back by the warps, after ``store_tokens`` wrote them
+    (units of one row, one piece: 16 code bytes + 2 scale bytes) into the segment buffer (one step here)."""
+    buf = torch.zeros(nt * 4 * 32 * 4, 2, dtype=torch.float16)  # u32 words as fp16 pairs
+    for m in range(8 * nt):
+        row = m0 + m
+        for piece in range(4):
+            if row < m_end:
+                chunk = codes[row, step * ROW_STEP_BYTES + 16 * piece:step * ROW_STEP_BYTES + 16 * piece + 16]
+                sc = _u16(scales.view(torch.uint8)[row], step * 8 + 2 * piece)
+            else:
+                chunk, sc = torch.zeros(16, dtype=torch.uint8), torch.tensor(0)
+            se, so = scale_pairs(sc)
+            s_a, s_b = se[0], so[0]  # blocks 2 piece, 2 piece + 1
+            j, g = m >> 3, m & 7
+            for t in range(4):
+                x = join16(_u16(chunk, 2 * t), _u16(chunk, 8 + 2 * t))
+                lane = g * 4 + t
+                for p, fn in ((piece, low_nibbles), (4 + piece, high_nibbles)):
+                    h = fn(x)
+                    buf[b_index(0, j, p, lane, 0, nt)] = scaled(pair01(h), s_a)
+                    buf[b_index(0, j, p, lane, 1, nt)] = scaled(pair23(h), s_b)
+    out = torch.empty(8, nt, 32, 2, 2, dtype=torch.float16)
+    for piece in range(8):
+        for j in range(nt):
+            for lane in range(32):
+                quad = b_index(0, j, piece & ~1, lane, 0, nt)  # the 16-byte load of the piece pair
+                words = buf[quad:quad + 4]
+                out[piece, j, lane] = words[:2] if piece % 2 == 0 else words[2:]
+    return out
+
+
+def weight_operand(frags: torch.Tensor) -> torch.Tensor:
+    """[8, 32, 4, 2] A fragments -> fp16 [16 rows, 128]: reg k, half h of lane (g, t) is row g + 8 (k & 1),
+    position 2t + h + 8 (k >> 1) of its piece (PTX ISA, mma.m16n8k16, A .f16 row-major)."""
+    out = torch.empty(16, 128, dtype=torch.float16)
+    for piece in range(8):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for k in range(4):
+                for h in range(2):
+                    out[g + 8 * (k & 1), 16 * piece + 2 * t + h + 8 * (k >> 1)] = frags[piece, lane, k, h]
+    return out
+
+
+def token_operand(frags: torch.Tensor) -> torch.Tensor:
+    """[8, nt, 32, 2, 2] B fragments -> fp16 [8 nt tokens, 128]: reg r, half h of lane (g, t) in tile j is token
+    8j + g, position 2t + h + 8r (PTX ISA, mma.m16n8k16, B .f16 column-major)."""
+    nt = frags.shape[1]
+    out = torch.empty(8 * nt, 128, dtype=torch.float16)
+    for piece in range(8):
+        for j in range(nt):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for r in range(2):
+                    for h in range(2):
+                        out[8 * j + g, 16 * piece + 2 * t + h + 8 * r] = frags[piece, j, lane, r, h]
+    return out
+
+
+def gemm(a, w, nt: int = 2) -> torch.Tensor:
+    """a @ w.T in float64 from the kernel's fragments (tiles of 16 weight rows x 8 nt tokens), both global
+    scales and the 2^28 applied after: the kernel's result up to fp32 rounding (for reference tests)."""
+    m, k = a.shape
+    n = w.shape[0]
+    acc = torch.zeros(m, n, dtype=torch.float64)
+    for row0 in range(0, n, 16):
+        for m0 in range(0, m, 8 * nt):
+            m_end = min(m, m0 + 8 * nt)
+            for step in range(k // 128):
+                wa = weight_operand(weight_fragments(w.codes, w.scales, row0, step)).double()
+                tb = token_operand(token_fragments(a.codes, a.scales, m0, m_end, step, nt)).double()
+                acc[m0:m_end, row0:row0 + 16] += (tb @ wa.T)[:m_end - m0]
+    ga = a.global_scale.double().reshape(-1, 1) if a.global_scale.dim() else a.global_scale.double()
+    gw = w.global_scale.double().reshape(1, -1) if w.global_scale.dim() else w.global_scale.double()
+    return acc * 2.0 ** 28 * ga * gw
+
+
+def grouped_tiles(offsets: list[int], nt: int) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every token tile, as each CTA lists them (``scan_tiles`` + ``expert_of``
+    in the kernel): experts cut into tiles of 8 nt rows, in expert order."""
+    e_count = len(offsets) - 1
+    rows = 8 * nt
+    start = [0]
+    for e in range(e_count):
+        n = offsets[e + 1] - offsets[e]
+        start.append(start[-1] + (-(-n // rows) if n > 0 else 0))
+    tiles = []
+    for t in range(start[-1]):
+        lo, hi = 0, e_count
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if start[mid + 1] <= t:
+                lo = mid + 1
+            else:
+                hi = mid
+        m0 = offsets[lo] + (t - start[lo]) * rows
+        tiles.append((lo, m0, min(offsets[lo + 1], m0 + rows)))
+    return tiles

@@ -1,0 +1,192 @@
+"""The decode-regime CUDA GEMM (kernels/decode_gemm.cu): its fragment layout on CPU (the twin, bitwise against
+the K order the Triton kernels feed), dispatch and fallbacks; on the GPU, bit equality with the Triton path
+for every M and config, batch invariance against M = 16384, and the reference."""
+import pytest
+import torch
+
+from minite import nvfp4 as ref
+from minite.kernels import _cuda_decode, _decode_twin, checks, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
+from minite.kernels import gemm as G
+from minite.kernels.weights import decode_f16
+
+
+def _q(m, k, seed, scaling="row"):
+    return ref.quantize(checks.spread_input(m, k, "cpu", seed=seed), scaling=scaling)
+
+
+def _rows(t, lo, hi):
+    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[lo:hi]
+    return ref.NVFP4Tensor(t.codes[lo:hi], t.scales[lo:hi], g)
+
+
+@pytest.mark.parametrize("row0,step", [(0, 0), (16, 1)])
+def test_weight_fragments_are_the_triton_k_order(row0, step):
+    """Each lane's A fragments (rows g, g + 8; positions 2t.., 2t+8.. of eight k16 pieces), placed by the PTX
+    fragment layout, rebuild exactly the fp16 step tile the Triton kernels feed (evens, then odds): zero
+    blocks, subnormal E4M3 scales and negative zeros included."""
+    w = _q(32, 256, seed=3)
+    want = decode_f16(w)[row0:row0 + 16, step * 128:(step + 1) * 128]
+    got = _decode_twin.weight_operand(_decode_twin.weight_fragments(w.codes, w.scales, row0, step))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("nt,m_end", [(1, 5), (2, 13), (2, 16)])
+def test_token_fragments_are_the_triton_k_order(nt, m_end):
+    """The token (B) fragments, written by store_tokens into the segment buffer and read back with the warps'
+    16-byte loads: the Triton K order for real rows, zeros past the tile's rows."""
+    a = _q(16, 256, seed=5)
+    want = decode_f16(a)
+    for step in range(2):
+        got = _decode_twin.token_operand(_decode_twin.token_fragments(a.codes, a.scales, 0, m_end, step, nt))
+        assert torch.equal(got[:m_end].view(torch.int16),
+                           want[:m_end, step * 128:(step + 1) * 128].view(torch.int16))
+        assert not got[m_end:].any()
+
+
+def test_twin_gemm_matches_reference():
+    a, w = _q(11, 256, seed=7), _q(32, 256, seed=8, scaling="tensor")
+    assert checks.rel_err(_decode_twin.gemm(a, w, nt=1), ref.nvfp4_matmul_reference(a, w)) < 1e-5
+
+
+def test_supports_whole_steps_and_aligned_operands():
+    w, a = _q(64, 256, seed=1), _q(9, 256, seed=2)
+    assert _cuda_decode.supports(256, 64, a, w.codes, w.scales)
+    assert _cuda_decode.supports(256, 64, _rows(a, 3, 9), w.codes, w.scales)  # row slices: still packed rows
+    assert not _cuda_decode.supports(1088, 64, a, w.codes, w.scales)  # K tail: the Triton kernels take it
+    assert not _cuda_decode.supports(256, 40, a, w.codes, w.scales)   # N not whole 16-row warps
+    odd = ref.NVFP4Tensor(a.codes[:, :64], a.scales[:, :8], a.global_scale)  # a column slice: rows not packed
+    assert not _cuda_decode.supports(128, 64, odd, w.codes[:, :64], w.scales[:, :8])
+    shifted = torch.zeros(64 * 128 + 8, dtype=torch.uint8)[8:].view(64, 128)  # base not 16-byte aligned
+    assert not _cuda_decode.supports(256, 64, a, shifted, w.scales)
+
+
+def test_module_unavailable_warns_and_returns_none(monkeypatch):
+    _cuda_decode.module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="sm_80"):
+            assert _cuda_decode.module((7, 5)) is None
+        monkeypatch.setenv("MINITE_KERNELS_CUDA", "0")
+        assert _cuda_decode.module((9, 0)) is None
+        assert G._cuda_module(torch.device("cuda", 0)) is None
+    finally:
+        _cuda_decode.module.cache_clear()
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
+        _cuda_decode._check(dict(NT=3, W=4, D=8))
+    with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
+        _cuda_decode._check(dict(NT=4, W=1, D=8))  # two token units per thread at most
+
+
+def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
+    """M <= CUDA_MAX_M: the CUDA kernel when it is built, takes the operands and is proven bit-equal; else the
+    Triton candidates in their order (no GPU here: verdicts stubbed)."""
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(G, "_proven", lambda c, d: True)
+    assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.cuda_config(1)
+    assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 2, 2, 4, 4]
+    assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64)
+    assert G._pick_config(G.CUDA_MAX_M + 1, 4096, dev, cuda_ok=True)["variant"] != "cuda"
+    assert G._pick_config(1, 4096, dev, cuda_ok=False)["variant"] == "small"
+    monkeypatch.setattr(G, "_proven", lambda c, d: c.get("variant") != "cuda")
+    assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.SMALL_CONFIG
+    monkeypatch.setattr(G, "_grouped_proven", lambda c, d: True)
+    assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=True) == G.grouped_cuda_config(8, 128)
+    assert G._grouped_config(False, True, 16384 * 8, 128, dev, cuda_ok=True) == G.GROUPED_F16_CONFIG
+    assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=False) == G.GROUPED_FALLBACK
+
+
+def test_tile_schedule_counts_valid_tiles():
+    offs = torch.tensor([0, 3, 3, 40, 41])
+    tile_e, tile_r, bound, n_valid = G._tile_schedule(offs, 41, 16)
+    assert int(n_valid) == 1 + 3 + 1 and bound == 3 + 4
+    assert tile_e.tolist()[:5] == [0, 2, 2, 2, 3] and (tile_e[5:] == -1).all()
+    assert tile_r.tolist()[:5] == [0, 3, 19, 35, 40]
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _gpu_module():
+    dev = torch.device("cuda")
+    mod = G._cuda_module(dev)
+    if mod is None:
+        pytest.skip("the CUDA decode kernel is not built here (no nvcc, or disabled)")
+    return dev
+
+
+CONFIGS = [dict(variant="cuda", NT=nt, W=w, D=d, SEG=4) for nt, w, d in
+           ((1, 4, 8), (2, 4, 8), (1, 2, 4), (2, 8, 4), (4, 4, 8), (1, 1, 8))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=G.config_name)
+def test_gpu_decode_configs_bit_equal_to_triton(cfg):
+    """Every config, every decode M, fp32 / bf16 / fp16 outputs, with a bias: bitwise the Triton safe config's
+    rows; and the float64 reference."""
+    dev = _gpu_module()
+    g = torch.Generator().manual_seed(1)
+    from minite.kernels import quantize
+    a = quantize(checks.spread_input(64, 2048, dev, seed=2), scaling="row")
+    a_mod = quantize(torch.randn(64, 2048, generator=g).to(dev), scaling="row")  # fp16 output must not overflow
+    w = quantize((torch.randn(1536, 2048, generator=g) * 0.05).to(dev))
+    bias = torch.randn(1536, generator=g).to(dev)
+    for m in (1, 2, 5, 8, 16, 33, 64):
+        sub = _rows(a, 0, m)
+        got = nvfp4_gemm(sub, w, out_dtype=torch.float32, config=cfg)
+        assert torch.equal(got, nvfp4_gemm(sub, w, out_dtype=torch.float32, config=G.SAFE_CONFIG)), m
+        assert checks.rel_err(got, ref.nvfp4_matmul_reference(sub, w)) < 1e-5
+        sub = _rows(a_mod, 0, m)
+        for dt in (torch.bfloat16, torch.float16):
+            assert torch.equal(nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=cfg),
+                               nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=G.SAFE_CONFIG)), (m, dt)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_default_is_the_cuda_kernel_and_batch_invariant():
+    """The default path at M <= 16 is the CUDA kernel (its probe passed), and its rows equal those of
+    M = 16384 (the large-M path) bitwise."""
+    dev = _gpu_module()
+    from minite.kernels import quantize
+    a = quantize(torch.randn(16384, 2048, device=dev), scaling="row")
+    w = quantize(torch.randn(1024, 2048, device=dev))
+    full = nvfp4_gemm(a, w, out_dtype=torch.float32)
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        assert torch.equal(nvfp4_gemm(_rows(a, 100, 100 + m), w, out_dtype=torch.float32), full[100:100 + m]), m
+    assert G.config_status().get(G.config_name(G.cuda_config(1))) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_grouped_decode_bit_equal(tokens):
+    """Realistic routing (random top-8 of 128 experts): the CUDA grouped kernel equals the grouped decode loop
+    bitwise, and the reference per expert; per-row expert scales too."""
+    dev = _gpu_module()
+    from minite.kernels import quantize
+    from minite.kernels.bench import moe_offsets
+    offs = moe_offsets(tokens, 128, 8, dev, align=1)
+    m = int(offs[-1])
+    a = quantize(torch.randn(m, 768, device=dev), scaling="row")
+    ws = [quantize(torch.randn(256, 768, device=dev), scaling="row" if i % 2 else "tensor") for i in range(128)]
+    ws = [ref.NVFP4Tensor(x.codes, x.scales, x.row_global_scale().contiguous()) for x in ws]
+    ex = stack_experts(ws)
+    want = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=G.GROUPED_FALLBACK)
+    for nt in (1, 2):
+        cfg = dict(variant="cuda", NT=nt, W=4, D=8, SEG=4)
+        assert torch.equal(grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=cfg), want), nt
+    o = offs.tolist()
+    for i in range(128):
+        if o[i + 1] > o[i]:
+            r = ref.nvfp4_matmul_reference(_rows(a, o[i], o[i + 1]), ws[i])
+            assert checks.rel_err(want[o[i]:o[i + 1]], r) < 1e-5
+
+
+@pytest.mark.parametrize("nt", [1, 2])
+def test_grouped_tiles_cover_every_row_once(nt):
+    """The kernel's per-CTA tile list (mirrored by the twin): every row of every expert exactly once, no tile
+    wider than 8 NT rows or crossing an expert, empty experts skipped."""
+    offs = [0, 0, 1, 9, 9, 26, 26, 27]
+    tiles = _decode_twin.grouped_tiles(offs, nt)
+    covered = [r for _, lo, hi in tiles for r in range(lo, hi)]
+    assert covered == list(range(offs[-1]))
+    for e, lo, hi in tiles:
+        assert offs[e] <= lo < hi <= offs[e + 1] and hi - lo <= 8 * nt
