@@ -46,7 +46,7 @@ def arch_flag(cap: tuple[int, int]) -> str:
     return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module(cap: tuple[int, int]):
     """The built extension for a device of compute capability ``cap``, or None (reason warned once)."""
     if not enabled():

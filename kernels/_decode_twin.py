@@ -86,7 +86,7 @@ def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step:
         g, t = lane >> 2, lane & 3
         for r in range(2):
             row = slot[g + 8 * r]
-            se, so = zip(*(scale_pairs(_u32(sc[g + 8 * r], 4 * wsel)) for wsel in range(2)))
+            se, so = zip(*(scale_pairs(_u32(sc[g + 8 * r], 4 * wsel)) for wsel in range(2)), strict=True)
             for pc in range(4):
                 x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
                 s_a, s_b = se[pc >> 1][pc & 1], so[pc >> 1][pc & 1]  # blocks 2 pc, 2 pc + 1

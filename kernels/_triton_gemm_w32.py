@@ -1,12 +1,13 @@
 """The NVFP4 GEMM main loop with 32-bit word loads (variants "decode32", "small", "w16w"; grouped too).
 
 Why words: the byte-per-thread decode loop of ``_triton_gemm`` issues one-byte loads, which neither vectorize
-nor go through cp.async, so every K step waits on memory. Here the codes are read as int32 words ([R, BK/8] per K step) with the row stride passed as an argument (Triton
-then knows it is a multiple of 16 and issues 16-byte cp.async copies), and the scales as int32 words too
-when K % 64 == 0 (each code word's thread picks its scale byte out of the word with a shift). Each thread
-decodes the 8 nibbles of its own words: the 4 low nibbles are the step's even-K values, the 4 high ones its
-odd-K values, put back in order with ``tl.join``. Values and K order are those of ``_triton_gemm`` (tests
-check bit equality in the interpreter; the first-use probe checks it on the GPU), so batch invariance holds.
+nor go through cp.async, so every K step waits on memory. Here the codes are read as int32 words ([R, BK/8]
+per K step) with the row stride passed as an argument (Triton then knows it is a multiple of 16 and issues
+16-byte cp.async copies), and the scales as int32 words too when K % 64 == 0 (each code word's thread picks
+its scale byte out of the word with a shift). Each thread decodes the 8 nibbles of its own words: the 4 low
+nibbles are the step's even-K values, the 4 high ones its odd-K values, put back in order with ``tl.join``.
+Values and K order are those of ``_triton_gemm`` (tests check bit equality in the interpreter; the first-use
+probe checks it on the GPU), so batch invariance holds.
 
 SWAP + A_F16 (variant "small", M <= 16): the weight tile is the dot's 64-row side, decoded from words in the
 loop, and the tokens (pre-decoded fp16: 16 x K, tiny) its 16-wide side: no padded token rows are decoded and a

@@ -3,11 +3,11 @@ the K order the Triton kernels feed), dispatch and fallbacks; on the GPU, bit eq
 for every M and config, batch invariance against M = 16384, and the reference."""
 import pytest
 import torch
-
-from minite import nvfp4 as ref
 from minite.kernels import _cuda_decode, _decode_twin, checks, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
 from minite.kernels import gemm as G
 from minite.kernels.weights import decode_f16
+
+from minite import nvfp4 as ref
 
 
 def _q(m, k, seed, scaling="row"):
