@@ -12,7 +12,6 @@ the Triton path (a warning says why, once). ``_decode_twin`` mirrors its fragmen
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import warnings
 from pathlib import Path
@@ -57,14 +56,11 @@ def module(cap: tuple[int, int]):
     nvcc = Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
     if not nvcc.exists():
         return _unavailable("no nvcc found (set CUDA_HOME)")
-    kw = {}
-    if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
-        kw["no_implicit_headers"] = True  # the kernel needs no torch headers: a faster build
     try:
         return cpp_extension.load_inline(
             name=f"minite_decode_gemm_sm{cap[0]}{cap[1]}", cpp_sources=[_DECL], cuda_sources=[SOURCE.read_text()],
             functions=["decode_gemm_launch"], extra_cuda_cflags=["-O3", arch_flag(cap)],
-            verbose=False, **kw)
+            verbose=False)
     except Exception as exc:  # compiler missing pieces, or a build error
         return _unavailable(f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")
 
