@@ -18,7 +18,7 @@ def proven(key: Hashable, device: torch.device, probe: Callable[[], bool]) -> bo
     full = (key, device.index)
     if full in _verdicts:
         return _verdicts[full]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
     try:
         ok = bool(probe())
