@@ -31,10 +31,11 @@ def _f64(bits):
 
 
 @triton.jit
-def _split_range(n, split, SPLITS: tl.constexpr, BN: tl.constexpr):
-    """Keys [lo, hi) of split ``split`` of a sequence of n keys: SPLITS chunks of whole BN blocks."""
-    chunk = tl.cdiv(tl.cdiv(n, SPLITS), BN) * BN
-    lo = split * chunk
+def _split_range(n, BN: tl.constexpr):
+    """Keys [lo, hi) of this program's split (grid axis 2) of a sequence of n keys: whole BN blocks, as even
+    as they go; trailing splits of a short sequence are empty."""
+    chunk = tl.cdiv(tl.cdiv(n, tl.num_programs(2)), BN) * BN
+    lo = tl.program_id(2) * chunk
     return lo, tl.minimum(lo + chunk, n)
 
 
@@ -93,18 +94,19 @@ def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr):
 def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                       n_q_heads, rep, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
                       scale_bits, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                      SPLITS: tl.constexpr):
-    """One (sequence, KV head, split): the KV head's ``rep`` query heads against keys [lo, hi) of the split."""
+                      DIRECT: tl.constexpr):
+    """One (sequence, KV head, split): the KV head's ``rep`` query heads against keys [lo, hi) of the split.
+    Grid (B, Hkv, splits); DIRECT (one split): write the output itself, else a partial for merge_splits."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
     scale = _f64(scale_bits)
     slot = tl.load(slot_ids + b).to(tl.int64)
-    lo, hi = _split_range(tl.load(seq_lens + b), sp, SPLITS, BN)
+    lo, hi = _split_range(tl.load(seq_lens + b), BN)
     hh = tl.arange(0, BH)
     hmask = hh < rep
     heads = kvh * rep + hh
-    q64 = scratch + ((b * tl.num_programs(1) + kvh) * SPLITS + sp).to(tl.int64) * (BH * D + BN * BH)
+    q64 = scratch + ((b * tl.num_programs(1) + kvh) * tl.num_programs(2) + tl.program_id(2)).to(tl.int64) \
+        * (BH * D + BN * BH)
     _stage_rows_f64(q + b.to(tl.int64) * sq_b + heads * sq_h, hmask, q64, D)
     k_base = k_cache + slot * sk_slot + kvh.to(tl.int64) * sk_head
     v_base = v_cache + slot * sv_slot + kvh.to(tl.int64) * sv_head
@@ -119,21 +121,20 @@ def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml
         p, alpha, m, l = _softmax_step_f64(s, m, l)
         acc = _add_pv_f64(acc * alpha[:, None], p, q64 + BH * D, v_base, sv_seq, start,
                           tl.minimum(BN, hi - start), D)
-    _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, sp, n_q_heads, D, SPLITS)
+    _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
 
 
 @triton.jit
 def decode_fast_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
                        n_q_heads, rep, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
-                       scale_log2e, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                       scale_log2e, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DIRECT: tl.constexpr,
                        UPCAST_DOT: tl.constexpr):
     """As decode_f64_kernel with bf16 dots (BH >= 16 rows, the rest masked) and fp32 exp2 softmax.
     UPCAST_DOT (interpreter only): fp32 dot operands; the interpreter's dot multiplies bf16 storage bits."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
     slot = tl.load(slot_ids + b).to(tl.int64)
-    lo, hi = _split_range(tl.load(seq_lens + b), sp, SPLITS, BN)
+    lo, hi = _split_range(tl.load(seq_lens + b), BN)
     hh = tl.arange(0, BH)
     hmask = hh < rep
     heads = kvh * rep + hh
@@ -163,33 +164,34 @@ def decode_fast_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_m
             v, pv = v.to(tl.float32), pv.to(tl.float32)
         acc = tl.dot(pv, v, acc * alpha[:, None])
         m = m_new
-    _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, sp, n_q_heads, D, SPLITS)
+    _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
 
 
 @triton.jit
-def _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, sp, n_q_heads, D: tl.constexpr,
-                  SPLITS: tl.constexpr):
-    """One split: the output itself (SPLITS == 1), else the partial (unnormalised acc, running max, sum)."""
+def _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D: tl.constexpr,
+                  DIRECT: tl.constexpr):
+    """One split: the output itself (DIRECT: a single split), else the partial (unnormalised acc, running
+    max, sum) at [b, head, split]."""
     d = tl.arange(0, D)[None, :]
     row = b.to(tl.int64) * n_q_heads + heads
-    if SPLITS == 1:
+    if DIRECT:
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # no key (empty split): acc = 0 -> 0
         tl.store(out + row[:, None] * D + d, round_to(o, out.dtype.element_ty), mask=hmask[:, None])
     else:
-        part = row * SPLITS + sp
+        part = row * tl.num_programs(2) + tl.program_id(2)
         tl.store(part_acc + part[:, None] * D + d, acc, mask=hmask[:, None])
         tl.store(part_ml + part * 2, m, mask=hmask)
         tl.store(part_ml + part * 2 + 1, l, mask=hmask)
 
 
 @triton.jit
-def merge_splits_kernel(part_acc, part_ml, out, n_q_heads, D: tl.constexpr, SPLITS: tl.constexpr,
-                        SPLITS_P2: tl.constexpr, F64: tl.constexpr):
-    """out[b, h] from the SPLITS partials of (b, h), merged by log-sum-exp in one fixed order."""
+def merge_splits_kernel(part_acc, part_ml, out, n_q_heads, n_splits, D: tl.constexpr, SPLITS_P2: tl.constexpr,
+                        F64: tl.constexpr):
+    """out[b, h] from the n_splits partials of (b, h), merged by log-sum-exp in one fixed order."""
     row = tl.program_id(0).to(tl.int64) * n_q_heads + tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
-    smask = s < SPLITS
-    part = row * SPLITS + s
+    smask = s < n_splits
+    part = row * n_splits + s
     m = tl.load(part_ml + part * 2, mask=smask, other=float("-inf"))
     l = tl.load(part_ml + part * 2 + 1, mask=smask, other=0.0)
     mx = tl.max(m, axis=0)

@@ -166,16 +166,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scratch = torch.empty(b * hkv * splits * (bh * d + F64_BN * bh), dtype=torch.float64, device=q.device)
         ta.decode_f64_kernel[grid](q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                                    hq, rep, *strides, _f64_bits(scaling), D=d, BH=bh, BN=F64_BN, BD=F64_BD,
-                                   SPLITS=splits, num_warps=1 if bh <= 8 else 2, num_stages=1)
+                                   DIRECT=splits == 1, num_warps=1 if bh <= 8 else 2, num_stages=1)
     else:
         qc = q.to(k_cache.dtype)
         ta.decode_fast_kernel[grid](qc, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
                                     hq, rep, *qc.stride()[:2], *strides[2:], scaling * 1.4426950408889634,
-                                    D=d, BH=max(16, _pow2(rep)), BN=FAST_BN, SPLITS=splits,
+                                    D=d, BH=max(16, _pow2(rep)), BN=FAST_BN, DIRECT=splits == 1,
                                     UPCAST_DOT=_backend.interpreter_on(), num_warps=4, num_stages=2)
     if splits > 1:
-        ta.merge_splits_kernel[(b, hq)](part_acc, part_ml, out, hq, D=d, SPLITS=splits, SPLITS_P2=_pow2(splits),
-                                        F64=f64, num_warps=1 if d <= 64 else 2)
+        ta.merge_splits_kernel[(b, hq)](part_acc, part_ml, out, hq, splits, D=d, SPLITS_P2=_pow2(splits), F64=f64,
+                                        num_warps=1 if d <= 64 else 2)
     return out
 
 
