@@ -187,20 +187,20 @@ def _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads,
 @triton.jit
 def merge_splits_kernel(part_acc, part_ml, out, n_q_heads, n_splits, D: tl.constexpr, SPLITS_P2: tl.constexpr,
                         F64: tl.constexpr):
-    """out[b, h] from the n_splits partials of (b, h), merged by log-sum-exp in one fixed order."""
+    """out[b, h] from the n_splits partials of (b, h), merged by log-sum-exp, splits added in order."""
     row = tl.program_id(0).to(tl.int64) * n_q_heads + tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
-    smask = s < n_splits
-    part = row * n_splits + s
-    m = tl.load(part_ml + part * 2, mask=smask, other=float("-inf"))
-    l = tl.load(part_ml + part * 2 + 1, mask=smask, other=0.0)
-    mx = tl.max(m, axis=0)
+    first = row * n_splits
+    mx = tl.max(tl.load(part_ml + (first + s) * 2, mask=s < n_splits, other=float("-inf")), axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp(m - mx) if F64 else tl.exp2(m - mx)  # empty splits: m = -inf -> weight 0
-    total = tl.sum(w * l, axis=0)
     d = tl.arange(0, D)
-    acc = tl.load(part_acc + part[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(w[:, None] * acc, axis=0)
+    o = tl.zeros([D], part_acc.dtype.element_ty)
+    total = tl.zeros([], part_acc.dtype.element_ty)
+    for sp in range(n_splits):
+        m = tl.load(part_ml + (first + sp) * 2)
+        w = tl.exp(m - mx) if F64 else tl.exp2(m - mx)  # empty split: m = -inf -> weight 0
+        total += w * tl.load(part_ml + (first + sp) * 2 + 1)
+        o += w * tl.load(part_acc + (first + sp) * D + d)
     o = o / tl.where(total > 0, total, 1.0)
     tl.store(out + row * D + d, round_to(o, out.dtype.element_ty))
 

@@ -44,7 +44,7 @@ def kernels():
                    dict(D=d, BM=A.PREFILL_BM, BN=A.F64_BN, BD=A.F64_BD, CAUSAL=causal, HAS_KEEP=keep), 1, 1)
         for f64, t in ((True, att), (False, fast)):
             yield (f"merge_splits D{d} f64={f64}", ta.merge_splits_kernel, t,
-                   dict(D=d, SPLITS_P2=8, F64=f64), 1 if d <= 64 else 2, 1)
+                   dict(D=d, SPLITS_P2=64, F64=f64), 1 if d <= 64 else 2, 1)
     mm = dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", part="*fp32")
     for name in ("SAFE_CONFIG", "SMALL_CONFIG", "MID_CONFIG", "BIG_CONFIG"):
         cfg = dict(getattr(G, name))
