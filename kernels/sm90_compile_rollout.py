@@ -30,7 +30,7 @@ def kernels():
                part_ml="*fp64", scratch="*fp64", out="*bf16", scale_bits="i64", k="*bf16", v="*bf16", keep="*u8",
                scale_log2e="fp32")
     fast = dict(att, part_acc="*fp32", part_ml="*fp32")
-    for d in (64, 128):
+    for d in (32, 64, 128):  # tiny, small, Qwen3-30B-A3B
         for bh in (1, 2, 4, 8, 16):
             yield (f"decode_f64 D{d} rows{bh}", ta.decode_f64_kernel, att,
                    dict(D=d, BH=bh, BN=A.F64_BN, BD=A.F64_BD, DIRECT=False), 1 if bh <= 8 else 2, 1)
