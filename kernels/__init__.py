@@ -1,4 +1,5 @@
-"""minite.kernels: NVFP4 (W4A4) kernels — Triton on the GPU, exact pure PyTorch on CPU.
+"""minite.kernels: NVFP4 (W4A4) kernels and the rollout path's attention and BF16 GEMM — Triton on the GPU,
+exact pure PyTorch on CPU.
 
     quantize(x, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
              rounding="nearest", rht=False, generator=None, check=True, backend=None) -> NVFP4Tensor
@@ -11,12 +12,23 @@
     prepare_experts(ws) -> NVFP4Experts   stacked + pre-decoded fp16 experts (fast large-M grouped path).
     grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None) -> [M, N]
         MoE: rows sorted by expert, ws a list of NVFP4Tensors or an NVFP4Experts (``stack_experts``).
+    decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scaling, numerics="fast", splits=None,
+                     backend=None) -> [B, Hq, D]
+        one decode step over a [slots, Hkv, S, D] KV cache, GQA without copies, CUDA-graph safe; "fast" (bf16
+        dots, fp32 softmax) or "invariant" (float64: the bits of invariant_attention at that position).
+    invariant_attention(query, key, value, scaling, keep=None, causal=True, backend=None) -> [B, Tq, Hq, D]
+        float64 attention, flash style (no [Tq, Tk] buffer); bitwise its PyTorch reference.
+    invariant_gemm(x, w, bias=None, backend=None) -> [M, N]
+        batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
 from .quantize import dequantize, quantize
+from .attention import decode_attention, invariant_attention
+from .hp_gemm import invariant_gemm
 
 __all__ = ["quantize", "dequantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight",
-           "NVFP4Experts", "stack_experts", "prepare_experts", "gemm_path"]
+           "NVFP4Experts", "stack_experts", "prepare_experts", "gemm_path",
+           "decode_attention", "invariant_attention", "invariant_gemm"]

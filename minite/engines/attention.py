@@ -1,22 +1,28 @@
-"""Batch-invariant attention, shared by both engines in the aligned arm.
+"""Attention for both engines: batch-invariant attention for the aligned arm, and the sampler's decode step.
 
 The trainer scores a whole sequence at once (queries [T], keys [T], causal mask); the sampler scores one new
 token per decode step against its KV cache (queries [1], keys [p + 1]). With ordinary kernels the two take
 different reduction orders (different matmul shapes, masked vs absent keys), so the same token gets
-different bits. Here every reduction runs in float64 on BF16/fp32 inputs: q.k products of BF16 values are
-exact in float64 and their sums are exact for any realistic range, and the softmax / PV sums carry ~30 more
-bits than the fp32/BF16 result keeps, so the rounded output does not depend on reduction order or on how
-many masked keys ride along (a difference needs a float64 result within 2**-53 of a rounding boundary).
+different bits. Invariant attention runs every reduction in float64 on BF16/fp32 inputs, so the rounded
+output does not depend on reduction order or on how many masked keys ride along
+(``minite.kernels.attention.invariant_attention_reference`` states the argument).
+
+Where it runs: on CUDA, Triton kernels (``minite.kernels``): full sequences flash style (online softmax, no
+[T, T] float64 buffer), decode steps split over the KV cache with GQA and no copy of the cache; on CPU the
+PyTorch reference. Kernel and reference give the same bits, and so do the full-sequence and decode kernels
+at the same position: trainer log-probs == sampler log-probs.
 
 It is registered in transformers' ``AttentionInterface`` as ``"minite_invariant"`` (see
-``register_attention``) and called directly by the sampler's decode loop. Invariance is needed where
-log-probs are compared — the trainer's teacher-forced recompute and every sampler forward, all without an
-autograd graph. When autograd is recording (the learner update) the adapter hands over to transformers' SDPA:
-that path only feeds gradients, and float64 attention there would dominate a 2048-token update.
+``register_attention``) and called directly by the sampler. Invariance is needed where log-probs are
+compared — the trainer's teacher-forced recompute and every sampler forward, all without an autograd graph.
+When autograd is recording (the learner update) the adapter hands over to transformers' SDPA: that path only
+feeds gradients, and float64 attention there would dominate a 2048-token update.
 """
 from __future__ import annotations
 
 import torch
+
+from minite import kernels
 
 ATTENTION_NAME = "minite_invariant"
 
@@ -25,27 +31,22 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         keep: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D] -> output [B, Tq, Hq, D] in query's dtype.
 
-    ``keep``: bool mask broadcastable to [B, Hq, Tq, Tk] (True = attend). Without it and with ``causal``,
-    query i (the last Tq positions of the Tk keys) attends to keys 0 .. Tk - Tq + i.
-    """
-    b, hq, tq, d = query.shape
-    hkv, tk = key.shape[1], key.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads {hq} not a multiple of key/value heads {hkv}")
-    rep = hq // hkv
-    q = query.to(torch.float64)
-    k = key.to(torch.float64).repeat_interleave(rep, dim=1)
-    v = value.to(torch.float64).repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    if keep is None and causal:
-        i = torch.arange(tq, device=query.device)[:, None] + (tk - tq)
-        keep = torch.arange(tk, device=query.device)[None, :] <= i
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # fully masked rows (padding queries) -> zeros, not NaN
-    out = torch.matmul(probs, v)
-    return out.to(query.dtype).transpose(1, 2).contiguous()
+    Query i sits at key position Tk - Tq + i. ``causal``: it attends keys 0 .. Tk - Tq + i; ``keep``: bool mask
+    broadcastable to [B, Hq, Tq, Tk] (True = attend); with both, keys allowed by both. A query with no key
+    gets zeros (padding)."""
+    return kernels.invariant_attention(query, key, value, scaling, keep=keep, causal=causal)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                     seq_lens: torch.Tensor, scaling: float, invariant: bool, splits: int | None = None
+                     ) -> torch.Tensor:
+    """One decode step: q [B, Hq, D] against cache rows k/v_cache[slot_ids[b], :, :seq_lens[b]] of a
+    [slots, Hkv, S, D] cache (a layer of [L, slots, Hkv, S, D]); slot_ids / seq_lens int32 [B] on the device.
+    -> [B, Hq, D]. CUDA-graph safe (no host sync, fixed grid for fixed B and ``splits``). ``invariant``: the
+    float64 numerics (== ``invariant_attention`` at the same position); else bf16 dots with fp32 softmax (the
+    BF16 and naive arms). See ``minite.kernels.attention``."""
+    return kernels.decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scaling,
+                                    numerics="invariant" if invariant else "fast", splits=splits)
 
 
 def hf_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -61,7 +62,9 @@ def hf_invariant_attention(module, query, key, value, attention_mask, scaling=No
     if attention_mask is not None:
         m = attention_mask[..., : key.shape[-2]]
         keep = m if m.dtype == torch.bool else (m == 0)
-    return invariant_attention(query, key, value, scaling, keep=keep, causal=attention_mask is None), None
+    # a causal module's mask lies inside the causal triangle: saying so lets the kernel skip the keys above it
+    causal = attention_mask is None or bool(getattr(module, "is_causal", False))
+    return invariant_attention(query, key, value, scaling, keep=keep, causal=causal), None
 
 
 def register_attention() -> str:

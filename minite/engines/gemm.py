@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from minite import nvfp4
+from minite import kernels, nvfp4
 from minite.engines.arms import QuantSpec
-
-from minite import kernels
 
 
 def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
@@ -59,15 +57,16 @@ def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torc
     """A high-precision (BF16) linear: router, lm_head, and every linear of a BF16 engine.
 
     ``invariant``: on log-prob paths (no autograd graph being built: the trainer's teacher-forced recompute,
-    every sampler forward) accumulate in float64 — BF16 x BF16 products are exact there and the sums carry
-    ~29 bits more than the BF16 result keeps — so a row's bits do not depend on how many rows share the call
-    (cuBLAS picks different kernels and split-K for M = 1 and M = 16384). With autograd on (the learner
-    update) it stays a cuBLAS BF16 GEMM: that path only feeds gradients, and float64 there would cost more
-    than the whole update on a 150k-vocab lm_head.
+    every sampler forward) a row's bits must not depend on how many rows share the call (cuBLAS picks
+    different kernels and split-K for M = 1 and M = 16384). ``minite.kernels.invariant_gemm`` does that:
+    on CUDA a Triton GEMM with BF16 products accumulated in fp32 in one fixed K order for every M (then one
+    rounding); on CPU (and for dtypes other than bf16/fp16) exact float64 accumulation. Both engines call
+    this function, so trainer and sampler rows stay bitwise equal on a device; the GPU numerics of the
+    aligned arm's router / lm_head are therefore fixed-order fp32 (they were float64-accumulated before).
+    With autograd on (the learner update) it stays a cuBLAS BF16 GEMM: that path only feeds gradients.
     """
     if invariant and not torch.is_grad_enabled():
-        y = torch.matmul(x.to(torch.float64), weight.to(torch.float64).T)
-        if bias is not None:
-            y = y + bias.to(torch.float64)
-        return y.to(x.dtype)
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = kernels.invariant_gemm(x.reshape(-1, k), weight, bias)
+        return y.reshape(*lead, weight.shape[0])
     return torch.nn.functional.linear(x, weight, bias)

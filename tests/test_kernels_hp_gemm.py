@@ -1,0 +1,128 @@
+"""invariant_gemm (the BF16 GEMM of hp_linear on log-prob paths): vs the exact float64 reference, batch
+invariance (row i alone == row i inside M), split-K for narrow N, the first-use probe; GPU tests for the
+same on CUDA (lm_head and router shapes) plus CUDA-graph capture."""
+import pytest
+import torch
+
+from minite.engines.gemm import hp_linear
+from minite.kernels import _probe, hp_gemm
+from minite.kernels.hp_gemm import invariant_gemm, reference_gemm
+
+
+def _xw(m, n, k, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device, dtype)
+    return x, w
+
+
+def _close(y, ref):
+    """fp32 accumulation vs exact: within a couple of output ulps."""
+    assert (y.float() - ref.float()).abs().max() <= 2 * ref.float().abs().max() * 2 ** -8 + 1e-6
+
+
+@pytest.mark.parametrize("m,n,k", [(37, 70, 200), (5, 128, 2048), (1, 33, 64), (64, 40, 1000), (17, 96, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_exact_reference(m, n, k, bias):
+    x, w = _xw(m, n, k, seed=m)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    y = invariant_gemm(x, w, b, backend="triton")
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    _close(y, reference_gemm(x, w, b))
+
+
+@pytest.mark.parametrize("n,k", [(70, 200), (128, 2048)])  # one K range; 8 fixed K splits (router-like)
+def test_batch_invariance_and_determinism(n, k):
+    x, w = _xw(40, n, k, seed=3)
+    full = invariant_gemm(x, w, backend="triton")
+    assert torch.equal(full, invariant_gemm(x, w, backend="triton"))
+    for lo, hi in ((0, 1), (39, 40), (3, 20), (0, 16)):
+        assert torch.equal(invariant_gemm(x[lo:hi], w, backend="triton"), full[lo:hi]), (lo, hi)
+
+
+def test_split_k_is_a_function_of_the_weight_only():
+    assert hp_gemm.split_k(151936, 2048) == 1
+    assert hp_gemm.split_k(128, 2048) == 8
+    assert hp_gemm.split_k(2048, 2048) == 1
+    assert hp_gemm.split_k(128, 200) == 1   # too short to split
+    assert all(hp_gemm.split_k(n, 4096) >= 1 for n in (1, 7, 64, 1000))
+
+
+def test_strided_and_fp16_inputs_and_fallbacks():
+    x, w = _xw(12, 50, 96, seed=4)
+    xt = x.t().contiguous().t()  # column-major x
+    assert torch.equal(invariant_gemm(xt, w, backend="triton"), invariant_gemm(x, w, backend="triton"))
+    xh, wh = _xw(12, 50, 96, dtype=torch.float16, seed=5)
+    _close(invariant_gemm(xh, wh, backend="triton"), reference_gemm(xh, wh))
+    xf = x.float()  # not bf16/fp16 (or mixed): the exact path
+    assert torch.equal(invariant_gemm(xf, w.float(), backend="triton"), reference_gemm(xf, w.float()))
+    assert torch.equal(invariant_gemm(x, w), reference_gemm(x, w))  # CPU auto: exact path
+    assert invariant_gemm(x[:0], w, backend="triton").shape == (0, 50)
+
+
+def test_hp_linear_uses_it_on_log_prob_paths_only():
+    x, w = _xw(6, 24, 32, seed=6)
+    x3 = x.reshape(2, 3, 32)
+    with torch.no_grad():
+        y = hp_linear(x3, w, invariant=True)
+    assert y.shape == (2, 3, 24) and torch.equal(y.reshape(6, 24), invariant_gemm(x, w))
+    xg = x3.clone().requires_grad_(True)
+    assert torch.equal(hp_linear(xg, w, invariant=True).detach(), torch.nn.functional.linear(x3, w))
+
+
+def test_bad_inputs():
+    x, w = _xw(4, 8, 16)
+    with pytest.raises(ValueError, match="expected x"):
+        invariant_gemm(x, w[:, :8])
+    with pytest.raises(ValueError, match="share a device"):
+        invariant_gemm(x, w, torch.zeros(9, dtype=torch.bfloat16))
+
+
+def test_probe_rejects_a_config_that_changes_bits(monkeypatch):
+    calls = []
+
+    def probe_false():
+        calls.append(1)
+        return False
+    dev = torch.device("cpu")
+    assert not _probe.proven("test:broken", dev, probe_false)
+    assert not _probe.proven("test:broken", dev, probe_false) and len(calls) == 1  # cached
+    assert _probe.proven("test:fine", dev, lambda: True)
+
+    def probe_raises():
+        raise RuntimeError("out of shared memory")
+    with pytest.warns(RuntimeWarning, match="unusable here"):
+        assert not _probe.proven("test:raises", dev, probe_raises)
+    # an unproven candidate falls back to SAFE_CONFIG
+    monkeypatch.setattr(hp_gemm, "_probe_config", lambda cfg, device, dtype: False)
+    monkeypatch.setattr(_probe, "_verdicts", {})
+    assert hp_gemm.pick_config(4, 1000, torch.device("cuda", 0)) == hp_gemm.SAFE_CONFIG
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(151936, 2048), (128, 2048), (4096, 2048)])
+def test_gpu_batch_invariance_every_m_bucket(n, k):
+    """Row i computed at M = 1, 8, 16, 17, 64, 256, 1000 equals row i inside M = 4096, and every row equals
+    the SAFE_CONFIG result (whatever configs the probe admitted)."""
+    x, w = _xw(4096, n, k, device="cuda", seed=7)
+    full = invariant_gemm(x, w)
+    safe = hp_gemm._launch(x, w, None, torch.empty_like(full), hp_gemm.SAFE_CONFIG, hp_gemm.split_k(n, k))
+    assert torch.equal(full, safe)
+    for m in (1, 8, 16, 17, 64, 256, 1000):
+        for lo in (0, 4096 - m):
+            assert torch.equal(invariant_gemm(x[lo:lo + m], w), full[lo:lo + m]), (m, lo)
+    _close(full[:64], reference_gemm(x[:64], w))
+    print(hp_gemm.config_status())
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    x, w = _xw(16, 151936, 2048, device="cuda", seed=8)
+    y = invariant_gemm(x, w)  # first use: compile + probe, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = invariant_gemm(x, w)
+    x.copy_(_xw(16, 151936, 2048, device="cuda", seed=9)[0])
+    graph.replay()
+    assert torch.equal(out, invariant_gemm(x, w)) and not torch.equal(out, y)
