@@ -65,14 +65,14 @@ def _scores_f64(q64, k_base, sk_n, keys, key_mask, R: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _softmax_step_f64(s, m, l):
+def _softmax_step_f64(s, m, denom):
     """Online softmax: new running max and sum, the block's weights p and the rescale of the old ones.
-    Rows with no valid key so far keep m = -inf, l = 0 and get p = 0 (no NaN from -inf - -inf)."""
+    Rows with no valid key so far keep m = -inf, denom = 0 and get p = 0 (no NaN from -inf - -inf)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_ref)
     p = tl.exp(s - m_ref[:, None])
-    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, denom * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -111,17 +111,17 @@ def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml
     k_base = k_cache + slot * sk_slot + kvh.to(tl.int64) * sk_head
     v_base = v_cache + slot * sv_slot + kvh.to(tl.int64) * sv_head
     m = tl.full([BH], float("-inf"), tl.float64)
-    l = tl.zeros([BH], tl.float64)
+    denom = tl.zeros([BH], tl.float64)
     acc = tl.zeros([BH, D], tl.float64)
     for start in range(lo, hi, BN):
         keys = start + tl.arange(0, BN)
         kmask = keys < hi
         s = _scores_f64(q64, k_base, sk_seq, keys, kmask, BH, D, BD)
         s = tl.where(kmask[None, :], s * scale, float("-inf"))
-        p, alpha, m, l = _softmax_step_f64(s, m, l)
+        p, alpha, m, denom = _softmax_step_f64(s, m, denom)
         acc = _add_pv_f64(acc * alpha[:, None], p, q64 + BH * D, v_base, sv_seq, start,
                           tl.minimum(BN, hi - start), D)
-    _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
+    _finish_split(acc, m, denom, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
 
 
 @triton.jit
@@ -145,7 +145,7 @@ def decode_fast_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_m
     k_base = k_cache + slot * sk_slot + kvh.to(tl.int64) * sk_head
     v_base = v_cache + slot * sv_slot + kvh.to(tl.int64) * sv_head
     m = tl.full([BH], float("-inf"), tl.float32)
-    l = tl.zeros([BH], tl.float32)
+    denom = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
     for start in range(lo, hi, BN):
         keys = start + tl.arange(0, BN)
@@ -157,31 +157,31 @@ def decode_fast_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_m
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds a valid key
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + keys[:, None].to(tl.int64) * sv_seq + d[None, :], mask=kmask[:, None], other=0.0)
         pv = p.to(v.dtype)
         if UPCAST_DOT:
             v, pv = v.to(tl.float32), pv.to(tl.float32)
         acc = tl.dot(pv, v, acc * alpha[:, None])
         m = m_new
-    _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
+    _finish_split(acc, m, denom, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
 
 
 @triton.jit
-def _finish_split(acc, m, l, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D: tl.constexpr,
+def _finish_split(acc, m, denom, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D: tl.constexpr,
                   DIRECT: tl.constexpr):
     """One split: the output itself (DIRECT: a single split), else the partial (unnormalised acc, running
     max, sum) at [b, head, split]."""
     d = tl.arange(0, D)[None, :]
     row = b.to(tl.int64) * n_q_heads + heads
     if DIRECT:
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]  # no key (empty split): acc = 0 -> 0
+        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # no key (empty split): acc = 0 -> 0
         tl.store(out + row[:, None] * D + d, round_to(o, out.dtype.element_ty), mask=hmask[:, None])
     else:
         part = row * tl.num_programs(2) + tl.program_id(2)
         tl.store(part_acc + part[:, None] * D + d, acc, mask=hmask[:, None])
         tl.store(part_ml + part * 2, m, mask=hmask)
-        tl.store(part_ml + part * 2 + 1, l, mask=hmask)
+        tl.store(part_ml + part * 2 + 1, denom, mask=hmask)
 
 
 @triton.jit
@@ -232,7 +232,7 @@ def prefill_f64_kernel(q, k, v, keep, scratch, out, n_q_heads, rep, tq, tk, n_ti
         if CAUSAL:
             hi = tl.minimum(tk, tk - tq + (mb + 1) * BM)
         m = tl.full([BM], float("-inf"), tl.float64)
-        l = tl.zeros([BM], tl.float64)
+        denom = tl.zeros([BM], tl.float64)
         acc = tl.zeros([BM, D], tl.float64)
         for start in range(0, hi, BN):
             keys = start + tl.arange(0, BN)
@@ -246,10 +246,11 @@ def prefill_f64_kernel(q, k, v, keep, scratch, out, n_q_heads, rep, tq, tk, n_ti
                     + rows[:, None].to(tl.int64) * skeep_q + keys[None, :].to(tl.int64) * skeep_k
                 ok = ok & (tl.load(kp, mask=ok, other=0) != 0)
             s = tl.where(ok, s * scale, float("-inf"))
-            p, alpha, m, l = _softmax_step_f64(s, m, l)
+            p, alpha, m, denom = _softmax_step_f64(s, m, denom)
             acc = _add_pv_f64(acc * alpha[:, None], p, q64 + BM * D, v_base, sv_t, start,
                               tl.minimum(BN, hi - start), D)
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]  # no valid key (padding query): acc = 0 -> 0, as the reference
+        # no valid key (padding query): acc = 0 -> 0, as the reference
+        o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         o_ptr = out + b.to(tl.int64) * so_b + rows[:, None].to(tl.int64) * so_t + h.to(tl.int64) * so_h \
             + tl.arange(0, D)[None, :]
         tl.store(o_ptr, round_to(o, out.dtype.element_ty), mask=rmask[:, None])

@@ -85,7 +85,8 @@ def main() -> int:
         smem = k.metadata.shared
         ok = smem <= SMEM_LIMIT and (local or 0) <= SPILL_LIMIT
         bad += not ok
-        print(f"{'ok  ' if ok else 'BAD '} {name:42s} warps {nw} regs {regs} stack {local} B smem {smem / 1024:6.1f} KB "
+        print(f"{'ok  ' if ok else 'BAD '} {name:42s} warps {nw} regs {regs} stack {local} B "
+              f"smem {smem / 1024:6.1f} KB "
               f"wgmma {ptx.count('wgmma.mma_async'):3d} mma.sync {ptx.count('mma.sync'):3d} "
               f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca'):3d} fma.f64 {ptx.count('fma.rn.f64'):4d}",
               flush=True)

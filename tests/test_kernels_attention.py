@@ -4,9 +4,9 @@ GPU tests for the same on CUDA plus CUDA-graph replay."""
 import pytest
 import torch
 import torch.nn.functional as F
+from minite.kernels import attention as A
 
 from minite.engines import attention as engine_attention
-from minite.kernels import attention as A
 
 
 def _cache(slots, hkv, s, d, device="cpu", seed=0, layers=None):

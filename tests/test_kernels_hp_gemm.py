@@ -3,10 +3,10 @@ invariance (row i alone == row i inside M), split-K for narrow N, the first-use 
 same on CUDA (lm_head and router shapes) plus CUDA-graph capture."""
 import pytest
 import torch
-
-from minite.engines.gemm import hp_linear
 from minite.kernels import _probe, hp_gemm
 from minite.kernels.hp_gemm import invariant_gemm, reference_gemm
+
+from minite.engines.gemm import hp_linear
 
 
 def _xw(m, n, k, dtype=torch.bfloat16, device="cpu", seed=0):
