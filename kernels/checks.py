@@ -12,6 +12,29 @@ from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
 from .quantize import dequantize, quantize
 
 
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as an integer tensor of the same width (so -0.0 != +0.0 and NaN == NaN of the same payload)."""
+    return t.contiguous().view(_INT_OF[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements differ in their bits (shapes and dtypes must match)."""
+    return int((bits(a) != bits(b)).sum())
+
+
+def same_nvfp4(q, r) -> bool:
+    """Codes, block scales and global scales bit for bit (and the global scale's shape)."""
+    return (same_bits(q.codes, r.codes) and same_bits(q.scales, r.scales)
+            and same_bits(q.global_scale, r.global_scale))
+
+
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     return float((x - y).norm() / y.norm().clamp_min(1e-300))
@@ -39,9 +62,7 @@ def check_quantize(device, backend=None, shapes=((67, 2048), (5, 784))):
             g2 = torch.Generator(device="cpu").manual_seed(7)
             q = quantize(x, generator=g1, backend=backend, **kw)
             r = ref.quantize(x, generator=g2, **kw)
-            ok = (torch.equal(q.codes, r.codes) and torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
-                  and q.global_scale.shape == r.global_scale.shape
-                  and torch.equal(q.global_scale, r.global_scale))
+            ok = same_nvfp4(q, r)
             res.append((f"quantize {m}x{k} {str(dtype)[6:]} {scaling} {rounding} rht={rht}", ok,
                         "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
             if not rht and rounding == "nearest" and scaling != "static":
@@ -52,7 +73,7 @@ def check_quantize(device, backend=None, shapes=((67, 2048), (5, 784))):
     for rounding, rht in itertools.product(("nearest", "stochastic"), (False, True)):
         q = quantize(x, rounding=rounding, rht=rht, generator=torch.Generator().manual_seed(3), backend=backend)
         r = ref.quantize(x, rounding=rounding, rht=rht, generator=torch.Generator().manual_seed(3))
-        ok = torch.equal(q.codes, r.codes) and torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
+        ok = same_nvfp4(q, r)
         res.append((f"quantize 3x{MAX_KP + 112} (column chunks) {rounding} rht={rht}", ok,
                     "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
     return res
@@ -63,10 +84,9 @@ def _check_dequantize(t, backend, label):
     for dtype in (torch.float32, torch.bfloat16):
         want = ref.dequantize(t).to(dtype)
         got = dequantize(t, dtype, backend=backend)
-        ok = got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                                                 want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        ok = same_bits(got, want)
         out.append((f"dequantize {label} -> {str(dtype)[6:]}", ok, "bit-exact" if ok else
-                    f"{int((got != want).sum())} values differ"))
+                    f"{bits_differ(got, want)} values differ in their bits"))
     return out
 
 

@@ -135,13 +135,14 @@ if triton is not None:
         code = tl.reshape(tl.join(p & 0xF, p >> 4), (BLK, 16))  # element 2j = low nibble
         m = (code & 7).to(tl.float32)
         mag = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, tl.where(m < 7.0, 4.0, 6.0)))
-        val = tl.where((code & 8) != 0, -mag, mag)
+        # the sign as a bit: Triton 3.6 lowers unary minus to 0 - x, which turns code 8 into +0.0, not -0.0
+        val = (mag.to(tl.uint32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
         sb = tl.load(scales_ptr + b, mask=bmask, other=0).to(tl.uint32)  # e4m3 bits, decoded exactly
         e, man = (sb >> 3) & 0xF, sb & 7
         s_norm = (((e + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
         s_sub = man.to(tl.float32) * 0.001953125  # 2**-9
         sc = tl.where(e == 0, s_sub, s_norm)
-        sc = tl.where((sb & 0x80) != 0, -sc, sc)
+        sc = (sc.to(tl.uint32, bitcast=True) | ((sb & 0x80) << 24)).to(tl.float32, bitcast=True)
         if ROW_G:
             g = tl.load(g_ptr + b // blocks_per_row, mask=bmask, other=1.0)
         else:
