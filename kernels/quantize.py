@@ -90,7 +90,7 @@ def _layout(k: int) -> tuple[int, int, int, int]:
     the row amax is taken in the cast pass itself; wider rows in CHUNK_KP-wide programs after an amax pass."""
     kp = max(16, triton.next_power_of_2(k)) if k <= MAX_KP else CHUNK_KP
     rows = max(1, 2048 // kp)
-    warps = 4 if kp <= 4096 else (8 if kp <= 16384 else 16)
+    warps = min(16, max(4, kp // 256))  # 8 elements per thread up to 4096-wide rows
     return rows, kp, warps, triton.cdiv(k, kp)
 
 
