@@ -55,30 +55,30 @@ def _bf16_rne(y):
 
 @triton.jit
 def _load_operand(x_ptr, gather_ptr, rows, cols, R, C, CW, stride_r, stride_c, GATHER: tl.constexpr):
-    """X'[rows, cols] as fp32 (zeros outside the operand)."""
+    """X'[rows, cols] as fp32 (zeros outside the operand); rows / cols broadcastable index tensors."""
     if GATHER:
         src = tl.load(gather_ptr + cols, mask=cols < CW, other=-1)
         cmask = src >= 0
     else:
         src = cols
         cmask = cols < C
-    mask = (rows < R)[:, None] & cmask[None, :]
-    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_r + src.to(tl.int64)[None, :] * stride_c
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    ptrs = x_ptr + rows.to(tl.int64) * stride_r + src.to(tl.int64) * stride_c
+    return tl.load(ptrs, mask=(rows < R) & cmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _rht16(x, BR: tl.constexpr, BC: tl.constexpr, RHT: tl.constexpr):
-    """minite.nvfp4.rht16 along the last dim of an fp32 tile [BR, BC] (BC % 16 == 0)."""
+def _rht16(x, RHT: tl.constexpr):
+    """minite.nvfp4.rht16 on the blocks of an fp32 tile [BR, NB, 16]."""
+    BR: tl.constexpr = x.shape[0]
+    NB: tl.constexpr = x.shape[1]
     i = tl.arange(0, 16)
     sign = 1.0 - 2.0 * ((tl.full((16,), _RHT_NEG_MASK, tl.int32) >> i) & 1).to(tl.float32)  # +-1
-    y = tl.reshape(x, (BR * BC // 16, 16)) * sign[None, :]  # exact sign flips
-    y = tl.reshape(y.to(tl.float64), (BR * BC // 16, 2, 2, 2, 2))
+    y = tl.reshape((x * sign[None, None, :]).to(tl.float64), (BR * NB, 2, 2, 2, 2))  # exact sign flips
     for _ in tl.static_range(4):
         # H2 on the last index bit, then rotate the next bit last: after four stages the order is natural
         a, b = tl.split(y)
         y = tl.permute(tl.join(a + b, a - b), (0, 4, 1, 2, 3))
-    y = (tl.reshape(y, (BR, BC)) * 0.25).to(tl.float32)
+    y = (tl.reshape(y, (BR, NB, 16)) * 0.25).to(tl.float32)
     if RHT == 2:
         y = _bf16_rne(y)
     elif RHT == 3:
@@ -87,20 +87,29 @@ def _rht16(x, BR: tl.constexpr, BC: tl.constexpr, RHT: tl.constexpr):
 
 
 @triton.jit
+def _tile_index(BR: tl.constexpr, BC: tl.constexpr):
+    """Row and column indices of this program's tile, shaped [BR, 1, 1] and [1, BC // 16, 16]: the tile is
+    held as [rows, blocks, 16] from the load on, so a block's 16 values sit in one or two threads."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    blk = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)
+    cols = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    return rows[:, None, None], cols[None, :, :]
+
+
+@triton.jit
 def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows_per_group,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE_IN_GROUP: tl.constexpr):
-    pr = tl.program_id(0)
-    rows = pr * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    x = _load_operand(x_ptr, gather_ptr, rows, cols, R, C, CW, stride_r, stride_c, GATHER)
+    rows3, cols3 = _tile_index(BR, BC)
+    x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
     if RHT != 0:
-        x = _rht16(x, BR, BC, RHT)
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        x = _rht16(x, RHT)
+    bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)  # [BR]
     if TILE_IN_GROUP:  # the whole tile lies in one group: one atomic per program
-        tl.atomic_max(amax_ptr + (pr * BR) // rows_per_group, tl.max(tl.max(bits, axis=1), axis=0))
+        tl.atomic_max(amax_ptr + (tl.program_id(0) * BR) // rows_per_group, tl.max(bits, axis=0))
     else:
-        tl.atomic_max(amax_ptr + rows // rows_per_group, tl.max(bits, axis=1), mask=rows < R)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        tl.atomic_max(amax_ptr + rows // rows_per_group, bits, mask=rows < R)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -109,20 +118,22 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr):
+    NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
+    rows3, cols3 = _tile_index(BR, BC)           # [BR, 1, 1], [1, NB, 16]
     rows = pr * BR + tl.arange(0, BR)
-    cols = pc * BC + tl.arange(0, BC)
     rmask = rows < R
-    x = _load_operand(x_ptr, gather_ptr, rows, cols, R, C, CW, stride_r, stride_c, GATHER)
+    x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
     if RHT != 0:
-        x = _rht16(x, BR, BC, RHT)
+        x = _rht16(x, RHT)
     if CHECK:  # NaN/Inf count per program (the caller raises); after the RHT, which can itself overflow
         badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
-        tl.store(bad_ptr + pr * tl.num_programs(1) + pc, tl.sum(tl.sum(badv, axis=1), axis=0))
+        tl.store(bad_ptr + pr * tl.num_programs(1) + pc, tl.sum(tl.sum(tl.sum(badv, axis=2), axis=1), axis=0))
     ax = tl.abs(x)
+    bamax = tl.max(ax, axis=2)                   # [BR, NB]: 1x16 block amax
     if ROW_AMAX:  # the tile holds whole rows
-        amax = tl.max(ax, axis=1)
+        amax = tl.max(bamax, axis=1)
     else:
         amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
     # S_enc = min(2688 / amax, FLT_MAX), 1 where amax == 0 or S_enc == 0; S_dec = 1 / S_enc
@@ -134,12 +145,9 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         if SDEC_ROWS:
             tl.store(sdec_ptr + rows, s_dec, mask=rmask)
         tl.store(gsdec_ptr + rows // rows_per_group, s_dec, mask=rmask & (rows % rows_per_group == 0))
-    # block amax: 1x16 along the row, or the 16x16 tile's, repeated on its 16 rows
-    if TILE16:
-        t = tl.max(tl.max(tl.reshape(ax, (BR // 16, 16, BC // 16, 16)), axis=3), axis=1)
-        bamax = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, BC // 16)), (BR, BC // 16))
-    else:
-        bamax = tl.max(tl.reshape(ax, (BR, BC // 16, 16)), axis=2)
+    if TILE16:  # the 16x16 tile's amax, repeated on its 16 rows
+        t = tl.max(tl.reshape(bamax, (BR // 16, 16, NB)), axis=1)
+        bamax = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, NB)), (BR, NB))
     # block scale e4m3(min(block_amax * mult, FLT_MAX, 448)), rounded to nearest-even on the fp32 bits
     sv = tl.minimum(tl.minimum(bamax * mult[:, None], _FLT_MAX), 448.0)
     bits = sv.to(tl.uint32, bitcast=True)
@@ -150,12 +158,11 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
     if CODES:
         code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
         s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32)).to(tl.uint8)
-        scols = pc * (BC // 16) + tl.arange(0, BC // 16)
+        scols = pc * NB + tl.arange(0, NB)
         tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (CW // 16) + scols[None, :], s_code,
                  mask=rmask[:, None] & (scols[None, :] < CW // 16))
     enc = tl.minimum(tl.math.div_rn(tl.full(s_q.shape, 1.0, tl.float32), s_q * s_dec[:, None]), _FLT_MAX)
-    v = tl.reshape(x, (BR, BC // 16, 16)) * enc[:, :, None]
-    v = tl.reshape(tl.minimum(tl.maximum(v, -6.0), 6.0), (BR, BC))
+    v = tl.minimum(tl.maximum(x * enc[:, :, None], -6.0), 6.0)
     a = tl.abs(v)
     if STOCHASTIC:  # up with probability (a - lo) / (hi - lo), u from hash(hash(index) ^ seed)
         lo = ((a >= 0.5).to(tl.uint32) + (a >= 1.0) + (a >= 1.5) + (a >= 2.0) + (a >= 3.0)
@@ -163,7 +170,7 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         lo_val = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo < 7, lo.to(tl.float32) - 2.0, 6.0))
         inv_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
         frac = (a - lo_val) * inv_step
-        idx = (rows[:, None].to(tl.int64) * CW + cols[None, :]).to(tl.uint32)
+        idx = (rows3.to(tl.int64) * CW + cols3).to(tl.uint32)
         hsh = _hash32(_hash32(idx) ^ seed.to(tl.uint32))
         u = (hsh >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
         mag = lo + ((u < frac) & (lo < 7)).to(tl.uint32)
@@ -171,23 +178,23 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         mag = ((a > 0.25).to(tl.uint32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
                + (a >= 3.5) + (a > 5.0))
     neg = (v < 0).to(tl.uint32)
-    cmask = rmask[:, None] & (cols[None, :] < CW)
-    if CODES:
-        even, odd = tl.split(tl.reshape(mag | (neg << 3), (BR, BC // 2, 2)))
-        pcols = pc * (BC // 2) + tl.arange(0, BC // 2)
-        tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (CW // 2) + pcols[None, :], (even | (odd << 4)).to(tl.uint8),
-                 mask=rmask[:, None] & (pcols[None, :] < CW // 2))
+    if CODES:  # element 2j in the low nibble of byte j
+        even, odd = tl.split(tl.reshape(mag | (neg << 3), (BR, NB, 8, 2)))
+        pcols = (pc * NB + tl.arange(0, NB))[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(codes_ptr + rows3.to(tl.int64) * (CW // 2) + pcols[None, :, :], (even | (odd << 4)).to(tl.uint8),
+                 mask=(rows3 < R) & (pcols[None, :, :] < CW // 2))
     if DQ != 0:  # (e2m1 * scale) * S_dec, as minite.nvfp4.dequantize
         m = mag.to(tl.float32)
         mval = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, tl.where(m < 7.0, 4.0, 6.0)))
         val = (mval.to(tl.uint32, bitcast=True) | (neg << 31)).to(tl.float32, bitcast=True)
-        y = tl.reshape((tl.reshape(val, (BR, BC // 16, 16)) * s_q[:, :, None]) * s_dec[:, None, None], (BR, BC))
-        dptr = dq_ptr + rows.to(tl.int64)[:, None] * CW + cols[None, :]
+        y = (val * s_q[:, :, None]) * s_dec[:, None, None]
+        dptr = dq_ptr + rows3.to(tl.int64) * CW + cols3
+        dmask = (rows3 < R) & (cols3 < CW)
         if DQ == 2:
             tl.store(dptr, (_bf16_rne(y).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
-                     mask=cmask)
+                     mask=dmask)
         else:
-            tl.store(dptr, y, mask=cmask)
+            tl.store(dptr, y, mask=dmask)
 
 
 @triton.jit

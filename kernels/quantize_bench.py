@@ -254,12 +254,14 @@ def compile_sm90() -> int:
         fn = K._cast_kernel if kind == "cast" else K._amax_kernel
         view = (torch.empty(4096, 2048, device="meta").t() if layout == "T"
                 else torch.empty(2048, 4096, device="meta"))  # the tiles the entry points pick for it
-        br, bc, warps, _ = _tiles(view, 4096, c.get("RHT", 0) != 0, c.get("TILE16", False), c.get("ROW_AMAX", False))
+        br, bc, warps, _ = _tiles(view, 4096, c.get("TILE16", False), c.get("ROW_AMAX", False))
         consts = dict(c, BR=br, BC=bc, **({"stride_r": 1} if layout == "T" else {"stride_c": 1}))
         types = dict(x_ptr=xdt, gather_ptr="*i32", amax_ptr="*fp32" if kind == "cast" else "*i32",
                      codes_ptr="*u8", scales_ptr="*u8", sdec_ptr="*fp32", gsdec_ptr="*fp32",
                      dq_ptr="*i16" if c.get("DQ") == K.DQ_BF16 else "*fp32", bad_ptr="*i32", seed="i32")
-        ptrs = tuple(n for n in fn.arg_names if types.get(n, "").startswith("*"))
+        # pointers and the sizes / strides Triton sees as multiples of 16 at learner shapes
+        ptrs = tuple(n for n in fn.arg_names if types.get(n, "").startswith("*") or
+                     (n in ("C", "CW", "stride_r", "stride_c") and n not in consts))
         name = f"{kind} {xdt[1:]} {layout} " + " ".join(f"{k}={int(v)}" for k, v in c.items() if v)
         try:
             k = compile_one(fn, types, consts, warps, 1, ptrs)
