@@ -134,7 +134,8 @@ def check_fused_quantizers(device, backend=None, tokens=4133, hidden=2048, exper
     for groups, tile in ((8, (16, 16)), (1, (16, 16)), (8, (1, 16))):
         codes, scales, sdec, dq = quantize_weight_groups(w, groups, tile, backend=backend)
         want = [ref.quantize(p, tile=tile) for p in w.chunk(groups)]
-        ok = (same_bits(codes, torch.cat([p.codes for p in want])) and same_bits(scales, torch.cat([p.scales for p in want]))
+        ok = (same_bits(codes, torch.cat([p.codes for p in want]))
+              and same_bits(scales, torch.cat([p.scales for p in want]))
               and same_bits(sdec, torch.stack([p.global_scale for p in want]))
               and same_bits(dq, torch.cat([ref.dequantize(p) for p in want]).bfloat16()))
         res.append((f"weights {tuple(w.shape)} {groups} groups {tile[0]}x{tile[1]}", ok,
@@ -212,7 +213,7 @@ def check_grouped(device, backend=None, e=8, n=256, k=512):
         worst = max(worst, rel_err(out[lo:hi], ref.nvfp4_matmul_reference(sub, ws[i])))
         same &= torch.equal(out[lo:hi], nvfp4_gemm(sub, ws[i], out_dtype=torch.float32, backend=backend))
     res.append((f"grouped E={e} (empty groups) vs reference", worst < 1e-5, f"worst rel err {worst:.2e}"))
-    res.append((f"grouped rows == dense rows (bitwise)", same, "informative: same K order, other tiles"))
+    res.append(("grouped rows == dense rows (bitwise)", same, "informative: same K order, other tiles"))
     return res
 
 

@@ -43,24 +43,23 @@ Options
                 the same generator state gives the same codes here and in the Triton kernel. (TE draws its
                 bits from Philox: the distribution matches TE, the stream does not.)
     rht         16-point random Hadamard transform along K before quantizing, as Transformer Engine's NVFP4
-                reference does it (``NVFP4QuantizerRef._apply_rht``; TE applies it to the wgrad operands):
-                y = x.view(-1, 16) @ (diag(sign) @ H16 / 4), TE's fixed sign vector, computed in the INPUT's
-                dtype — a BF16 input gives BF16 transformed values — and the global and block amax are taken
-                AFTER the transform, from those rounded values. What is bit-defined here: the products
-                x_i * (+-1/4) are exact; the 16-term sum is a fixed 4-stage butterfly in float64 (bit 0 of the
-                index first; exact while a block spans < 41 binades for BF16 inputs, < 29 for fp32, and one
-                fixed rounding order beyond), scaled by 1/4, rounded once to fp32, then (BF16 / FP16 inputs)
-                once more to the input dtype, round-to-nearest-even each time. TE's reference matmul sums in fp32 (cuBLAS / its
-                CUDA kernel: ``wmma ... f32.bf16.bf16.f32`` then ``cvt.rn.bf16x2.f32``) in an order it does not
-                define. The two agree bit for bit whenever that fp32 sum is exact, which it is in ANY order for
-                a BF16 block whose nonzero values span at most 12 binades (each term is a multiple of 2**(e-7)
-                below 2**(E+1); 16 of them need E - e + 12 <= 24 bits), and otherwise whenever TE's fp32
-                rounding error does not reach a BF16 rounding boundary of the result. That fails only for
-                blocks that span many binades AND cancel (the error scales with the largest term, not the
-                result): 0 of 655k values on Gaussian data, ~1e-5 of values on log-normal(sigma=3) data,
-                against TE's own op (torch's BF16 matmul); minite then holds the correctly rounded value.
-                FP32 inputs stay fp32 (exact sum rounded once; TE's fp32 sum is rarely exact, so these agree
-                with TE up to its summation order). Other dtypes are converted to fp32 first.
+                reference does it (``NVFP4QuantizerRef._apply_rht``; TE applies it to the wgrad operands): y =
+                x.view(-1, 16) @ (diag(sign) @ H16 / 4), TE's fixed sign vector, computed in the INPUT's dtype -- a
+                BF16 input gives BF16 transformed values -- and the global and block amax are taken AFTER the
+                transform, from those rounded values. What is bit-defined here: the products x_i * (+-1/4) are
+                exact; the 16-term sum is a fixed 4-stage butterfly in float64 (bit 0 of the index first; exact
+                while a block spans < 41 binades for BF16 inputs, < 29 for fp32, one fixed rounding order beyond),
+                scaled by 1/4, rounded once to fp32, then (BF16 / FP16 inputs) once more to the input dtype,
+                round-to-nearest-even each time. TE's reference matmul sums in fp32 (cuBLAS; its CUDA kernel:
+                ``wmma ... f32.bf16.bf16.f32``, ``cvt.rn.bf16x2.f32``) in an order it does not define. The two
+                agree bit for bit whenever that fp32 sum is exact, which it is in ANY order for a BF16 block whose
+                nonzero values span at most 12 binades (each term is a multiple of 2**(e-7) below 2**(E+1); 16 of
+                them need E - e + 12 <= 24 bits), and otherwise whenever TE's fp32 rounding error does not reach a
+                BF16 rounding boundary of the result. That fails only for blocks that span many binades AND cancel
+                (the error scales with the largest term, not the result): 0 of 655k values on Gaussian data, ~1e-5
+                of values on log-normal(sigma=3) data, against TE's own op (torch's BF16 matmul); minite then holds
+                the correctly rounded value. FP32 inputs stay fp32 (exact sum rounded once; TE's fp32 sum is rarely
+                exact, so these agree with TE up to its summation order). Other dtypes are converted to fp32 first.
 
 Constraints: x is 2D [M, K] with K % 16 == 0, any float dtype (converted to fp32 first, the RHT aside);
 NaN/Inf input raises (``check=True``), as do a negative/non-finite static ``amax`` and a non-positive
@@ -77,7 +76,8 @@ import torch
 
 __all__ = [
     "NVFP4Tensor", "quantize", "dequantize", "nvfp4_matmul_reference", "FORMULAS", "E2M1_VALUES",
-    "e2m1_decode", "pack_codes", "unpack_codes", "rht16", "rht_dtype", "rht_matrix", "stochastic_uniform", "check_finite",
+    "e2m1_decode", "pack_codes", "unpack_codes", "rht16", "rht_dtype", "rht_matrix", "stochastic_uniform",
+    "check_finite",
 ]
 
 FORMULAS = ("te", "vllm", "modelopt")

@@ -177,3 +177,16 @@ def test_kernels_never_negate_a_float_with_unary_minus():
 def test_gpu_fused_quantizers_bit_exact():
     res = check_fused_quantizers(torch.device("cuda"))
     assert all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+
+
+def test_weight_along_n_for_dgrad_is_one_more_cast_of_the_transposed_view():
+    """W^T (dgrad's second operand, blocks along N) from the same 16x16 tiles: quantize(w.t()) reads the
+    weight in place; its scales are W's tile scales transposed and its S_dec is W's."""
+    w = spread_input(48, 64, "cpu", torch.bfloat16, seed=9)
+    q, r, d, dr = _both(w.t(), tile=(16, 16))
+    assert same_nvfp4(q, r) and same_bits(d, dr)
+    qw = ref.quantize(w, tile=(16, 16))
+    tiles = qw.scales.view(torch.uint8)[::16]                              # [N/16, K/16]: one row per tile
+    assert torch.equal(q.scales.view(torch.uint8)[::16], tiles.t())
+    assert same_bits(q.global_scale, qw.global_scale)
+    assert same_bits(ref.dequantize(q), ref.dequantize(qw).t().contiguous())  # the same values, transposed
