@@ -4,6 +4,12 @@ exact pure PyTorch on CPU.
     quantize(x, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
              rounding="nearest", rht=False, generator=None, check=True, backend=None) -> NVFP4Tensor
         minite.nvfp4.quantize, bit for bit; fused Triton kernel for formula "te" 1x16 (else the reference).
+    quantize_dequantize(x, out_dtype=torch.bfloat16, ...same...) -> [M, K]
+        dequantize(quantize(x, ...)).to(out_dtype), bit for bit, written by the cast pass itself.
+    quantize_weight_groups(w, groups, tile=(16, 16)) -> codes, scales, S_dec [groups], BF16 values
+        formula "te", one tensor amax per row group (experts x shards); amax pass + one cast pass.
+    (quantize and quantize_dequantize take x as any strided view, plus width= / gather= for the wgrad
+    operands: tokens as the block dimension, zero-padded or gathered per expert, without copies.)
     dequantize(t, out_dtype=torch.float32, backend=None) -> [M, K]
         minite.nvfp4.dequantize(t).to(out_dtype), bit for bit, one Triton pass on the GPU.
     nvfp4_gemm(a, w, out_dtype=torch.bfloat16, bias=None, backend=None) -> [M, N]
@@ -25,10 +31,10 @@ backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and P
 """
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
-from .quantize import dequantize, quantize
+from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight_groups
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
 
-__all__ = ["quantize", "dequantize", "nvfp4_gemm", "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight",
-           "NVFP4Experts", "stack_experts", "prepare_experts", "gemm_path",
-           "decode_attention", "invariant_attention", "invariant_gemm"]
+__all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
+           "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
+           "prepare_experts", "gemm_path", "decode_attention", "invariant_attention", "invariant_gemm"]

@@ -9,7 +9,29 @@ import torch
 from minite import nvfp4 as ref
 
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
-from .quantize import dequantize, quantize
+from .quantize import MAX_KP, dequantize, operand, quantize, quantize_dequantize, quantize_weight_groups
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as an integer tensor of the same width (so -0.0 != +0.0 and NaN == NaN of the same payload)."""
+    return t.contiguous().view(_INT_OF[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements differ in their bits (shapes and dtypes must match)."""
+    return int((bits(a) != bits(b)).sum())
+
+
+def same_nvfp4(q, r) -> bool:
+    """Codes, block scales and global scales bit for bit (and the global scale's shape)."""
+    return (same_bits(q.codes, r.codes) and same_bits(q.scales, r.scales)
+            and same_bits(q.global_scale, r.global_scale))
 
 
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -39,22 +61,84 @@ def check_quantize(device, backend=None, shapes=((67, 2048), (5, 784))):
             g2 = torch.Generator(device="cpu").manual_seed(7)
             q = quantize(x, generator=g1, backend=backend, **kw)
             r = ref.quantize(x, generator=g2, **kw)
-            ok = (torch.equal(q.codes, r.codes) and torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
-                  and q.global_scale.shape == r.global_scale.shape
-                  and torch.equal(q.global_scale, r.global_scale))
+            ok = same_nvfp4(q, r)
             res.append((f"quantize {m}x{k} {str(dtype)[6:]} {scaling} {rounding} rht={rht}", ok,
                         "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
             if not rht and rounding == "nearest" and scaling != "static":
                 res.extend(_check_dequantize(q, backend, f"{m}x{k} {scaling}"))
     # rows wider than one program (MoE wgrad operands): column-chunked programs, tensor scaling
-    from .quantize import MAX_KP
     x = spread_input(3, MAX_KP + 112, device, torch.bfloat16, seed=5)
     for rounding, rht in itertools.product(("nearest", "stochastic"), (False, True)):
         q = quantize(x, rounding=rounding, rht=rht, generator=torch.Generator().manual_seed(3), backend=backend)
         r = ref.quantize(x, rounding=rounding, rht=rht, generator=torch.Generator().manual_seed(3))
-        ok = torch.equal(q.codes, r.codes) and torch.equal(q.scales.view(torch.uint8), r.scales.view(torch.uint8))
+        ok = same_nvfp4(q, r)
         res.append((f"quantize 3x{MAX_KP + 112} (column chunks) {rounding} rht={rht}", ok,
                     "bit-exact" if ok else f"{int((q.codes != r.codes).sum())} code bytes differ"))
+    return res
+
+
+def expert_gather(counts, device) -> torch.Tensor:
+    """The MoE wgrad operands' gather: each expert's sorted tokens padded to a multiple of 16 (-1 = zero)."""
+    src, start = [], 0
+    for c in counts:
+        src += list(range(start, start + c)) + [-1] * ((-c) % 16)
+        start += c
+    return torch.tensor(src, dtype=torch.int32, device=device)
+
+
+def _fused_case(name, x, backend, width=None, gather=None, codes=True, **kw):
+    """quantize and quantize_dequantize on (x, width, gather) vs the reference on the built operand."""
+    out = []
+    g = torch.Generator().manual_seed(7)
+    r = ref.quantize(operand(x, width, gather), generator=g, **kw)
+    if codes:
+        q = quantize(x, generator=torch.Generator().manual_seed(7), backend=backend, width=width, gather=gather, **kw)
+        ok = same_nvfp4(q, r)
+        out.append((f"{name} codes", ok, "bit-exact" if ok else f"{bits_differ(q.codes, r.codes)} code bytes, "
+                    f"{bits_differ(q.scales, r.scales)} scales differ"))
+    d = quantize_dequantize(x, torch.bfloat16, generator=torch.Generator().manual_seed(7), backend=backend,
+                            width=width, gather=gather, **kw)
+    want = ref.dequantize(r).to(torch.bfloat16)
+    ok = same_bits(d, want)
+    out.append((f"{name} bf16 values", ok, "bit-exact" if ok else f"{bits_differ(d, want)} values differ in bits"))
+    return out
+
+
+def check_fused_quantizers(device, backend=None, tokens=4133, hidden=2048, experts=16, inter=768):
+    """Every fused quantizer bit-exact vs minite.nvfp4 on learner-like operands: the dgrad operand (rows),
+    the wgrad operands (transposed views, tokens padded or gathered per expert, RHT + SR), forward
+    activations (row / tensor scaling), wide rows, and the 16x16 weight cast with per-group amax."""
+    res = []
+    dy = spread_input(tokens, hidden, device, torch.bfloat16, seed=21)
+    m16 = -(-tokens // 16) * 16
+    res += _fused_case(f"dgrad dy {tokens}x{hidden} SR", dy, backend, rounding="stochastic")
+    res += _fused_case(f"act {tokens}x{hidden} row", dy, backend, scaling="row")
+    res += _fused_case(f"act {tokens}x{hidden} tensor", dy, backend, codes=False)
+    for rounding, rht in (("stochastic", True), ("nearest", True), ("stochastic", False)):
+        res += _fused_case(f"wgrad dy^T {hidden}x{m16} {rounding} rht={rht}", dy.t(), backend, width=m16,
+                           rounding=rounding, rht=rht)
+    f32 = dy[:1000].float()
+    res += _fused_case("wgrad fp32 x^T rht", f32.t(), backend, width=-(-f32.shape[0] // 16) * 16, rht=True)
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 2 * tokens // experts, (experts,), generator=gen)
+    counts[1::4] = 0                                          # empty experts
+    x = spread_input(int(counts.sum()), inter, device, torch.bfloat16, seed=22)
+    gather = expert_gather(counts.tolist(), device)
+    for rounding in ("stochastic", "nearest"):
+        res += _fused_case(f"wgrad experts x^T {inter}x{gather.numel()} gathered {rounding} rht", x.t(),
+                           backend, gather=gather, rounding=rounding, rht=True)
+    wide = spread_input(3, MAX_KP + 1040, device, torch.bfloat16, seed=23)
+    res += _fused_case(f"row scaling 3x{MAX_KP + 1040} (amax pass)", wide, backend, scaling="row", rht=True)
+    w = spread_input(4 * 2 * inter, hidden, device, torch.bfloat16, seed=24) * 1e-3
+    for groups, tile in ((8, (16, 16)), (1, (16, 16)), (8, (1, 16))):
+        codes, scales, sdec, dq = quantize_weight_groups(w, groups, tile, backend=backend)
+        want = [ref.quantize(p, tile=tile) for p in w.chunk(groups)]
+        ok = (same_bits(codes, torch.cat([p.codes for p in want]))
+              and same_bits(scales, torch.cat([p.scales for p in want]))
+              and same_bits(sdec, torch.stack([p.global_scale for p in want]))
+              and same_bits(dq, torch.cat([ref.dequantize(p) for p in want]).bfloat16()))
+        res.append((f"weights {tuple(w.shape)} {groups} groups {tile[0]}x{tile[1]}", ok,
+                    "bit-exact" if ok else "codes / scales / S_dec / values differ"))
     return res
 
 
@@ -63,10 +147,9 @@ def _check_dequantize(t, backend, label):
     for dtype in (torch.float32, torch.bfloat16):
         want = ref.dequantize(t).to(dtype)
         got = dequantize(t, dtype, backend=backend)
-        ok = got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                                                 want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        ok = same_bits(got, want)
         out.append((f"dequantize {label} -> {str(dtype)[6:]}", ok, "bit-exact" if ok else
-                    f"{int((got != want).sum())} values differ"))
+                    f"{bits_differ(got, want)} values differ in their bits"))
     return out
 
 
@@ -129,13 +212,13 @@ def check_grouped(device, backend=None, e=8, n=256, k=512):
         worst = max(worst, rel_err(out[lo:hi], ref.nvfp4_matmul_reference(sub, ws[i])))
         same &= torch.equal(out[lo:hi], nvfp4_gemm(sub, ws[i], out_dtype=torch.float32, backend=backend))
     res.append((f"grouped E={e} (empty groups) vs reference", worst < 1e-5, f"worst rel err {worst:.2e}"))
-    res.append((f"grouped rows == dense rows (bitwise)", same, "informative: same K order, other tiles"))
+    res.append(("grouped rows == dense rows (bitwise)", same, "informative: same K order, other tiles"))
     return res
 
 
 def run_all(device, backend=None) -> list[str]:
     lines = []
-    for fn in (check_quantize, check_gemm, check_batch_invariance, check_grouped):
+    for fn in (check_quantize, check_fused_quantizers, check_gemm, check_batch_invariance, check_grouped):
         try:
             res = fn(device, backend)
         except Exception as exc:  # a crash is a failed check, not a lost run

@@ -12,7 +12,8 @@ per-tensor amax per the arm); the grouped GEMM is ``minite.kernels.grouped_nvfp4
 "emulated", dequantize + one BF16 ``torch._grouped_mm``. gate_up's gate and up halves keep separate global
 scales when ``fused_shards: per_shard`` (one NVFP4 tensor per expert with a per-row global scale [2I]).
 Backward: TE's treatment as in ``quant_linear`` — dgrad with SR-quantized dy against the quantized W,
-wgrad per expert with both operands quantized along tokens (RHT), expert segments padded to 16 tokens.
+wgrad per expert with both operands quantized along tokens (RHT), expert segments padded to 16 tokens
+(the quantizer gathers each padded segment from the sorted rows itself: no padded copies).
 """
 from __future__ import annotations
 
@@ -72,22 +73,26 @@ def grouped_nvfp4(a, qw: Q.QWeight, offsets: torch.Tensor, out_dtype) -> torch.T
 
 
 def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
+    if state.gemm == "emulated":
+        a = Q.qdq_act(x, state)
+        with state.timed("gemm"):
+            return bf16_grouped_mm(a, qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
     a = Q.quantize_act(x, state)
     with state.timed("gemm"):
-        if state.gemm == "emulated":
-            return bf16_grouped_mm(Q._dq(a), qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
         return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
 
 
 def _padded_layout(offsets: torch.Tensor):
-    """Row destinations when every expert segment is padded to a multiple of 16, and the padded ends."""
+    """Every expert's token segment padded to a multiple of 16: for each padded position the source row
+    (-1 = a zero token; the wgrad operands' ``gather``), the padded ends, and the token counts."""
     counts = offsets[1:] - offsets[:-1]
     pcounts = (counts + 15) // 16 * 16
     pstart = torch.cumsum(pcounts, 0) - pcounts
     seg = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
     rows = torch.arange(int(offsets[-1]), device=offsets.device)
-    dest = pstart[seg] + rows - offsets[:-1][seg]
-    return dest, torch.cumsum(pcounts, 0).to(torch.int32), int(pcounts.sum()), counts
+    src = torch.full((int(pcounts.sum()),), -1, dtype=torch.int32, device=offsets.device)
+    src[pstart[seg] + rows - offsets[:-1][seg]] = rows.to(torch.int32)
+    return src, torch.cumsum(pcounts, 0).to(torch.int32), counts
 
 
 def _wgrad_grouped(dyt, xt, pends, counts, w_dq) -> torch.Tensor:
@@ -124,11 +129,9 @@ class _GroupedNVFP4Fn(torch.autograd.Function):
             with st.timed("gemm"):
                 dx = bf16_grouped_mm(dyq, w_dq, offsets[1:]).to(x.dtype)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
-            dest, pends, mp, counts = _padded_layout(offsets)
-            dyp = dy.new_zeros(mp, dy.shape[1]).index_copy_(0, dest, dy)
-            xp = x.new_zeros(mp, x.shape[1]).index_copy_(0, dest, x)
-            dyt = Q.qdq_grad(dyp.t().contiguous(), st, r.backward_rounding, r.backward_rht)
-            xt = Q.qdq_grad(xp.t().contiguous(), st, "nearest", r.backward_rht)
+            src, pends, counts = _padded_layout(offsets)
+            dyt = Q.qdq_tokens(dy, st, r.backward_rounding, r.backward_rht, gather=src)
+            xt = Q.qdq_tokens(x, st, "nearest", r.backward_rht, gather=src)
             with st.timed("gemm"):
                 dw = _wgrad_grouped(dyt, xt, pends, counts, w_dq)
         return dx, dw, None, None, None

@@ -131,32 +131,12 @@ def _weight_tile(spec: QuantSpec, n: int) -> tuple[int, int]:
     return tuple(spec.tile) if n % 16 == 0 else (1, 16)
 
 
-def _quantize_te_groups(w: torch.Tensor, tile, shards: int) -> tuple[torch.Tensor, ...]:
-    """TE-formula quantization of w [G, N, K] with one global amax per (group, shard) — the same arithmetic
-    as ``minite.nvfp4.quantize(formula="te", scaling="tensor")`` applied to each [N/shards, K] piece (the
-    tests check bit equality), vectorised so 128 experts cost one pass instead of 256 calls."""
-    g, n, k = w.shape
-    x = w.to(torch.float32)
-    amax = x.abs().view(g, shards, n // shards, k).amax(dim=(2, 3))                    # [G, S]
-    s_enc, s_dec = nvfp4._te_global(amax)
-    s_enc = s_enc.repeat_interleave(n // shards, dim=1)                                  # [G, N]
-    s_dec = s_dec.repeat_interleave(n // shards, dim=1)
-    if tuple(tile) == (16, 16):
-        bamax = x.abs().view(g, n // 16, 16, k // 16, 16).amax(dim=(2, 4)).repeat_interleave(16, dim=1)
-    else:
-        bamax = x.abs().view(g, n, k // 16, 16).amax(dim=-1)
-    mult = s_enc * torch.tensor(1.0 / nvfp4.FP4_MAX, dtype=torch.float32, device=w.device)
-    s = torch.clamp(torch.clamp(bamax * mult[..., None], max=nvfp4.FLT_MAX), -nvfp4.E4M3_MAX, nvfp4.E4M3_MAX)
-    s = s.to(torch.float8_e4m3fn)
-    enc = torch.clamp(1.0 / (s.to(torch.float32) * s_dec[..., None]), max=nvfp4.FLT_MAX)
-    v = torch.clamp(x.view(g, n, k // 16, 16) * enc[..., None], -nvfp4.FP4_MAX, nvfp4.FP4_MAX).view(g * n, k)
-    codes4 = nvfp4._rne_e2m1_magnitude(v.abs()) | ((v < 0).to(torch.uint8) << 3)
-    return nvfp4.pack_codes(codes4).view(g, n, k // 2), s, s_dec
-
-
 def quantize_weight(w: torch.Tensor, spec: QuantSpec, shards: int = 1) -> QWeight:
     """w [N, K] or [E, N, K] (BF16 master) -> QWeight. ``shards``: fused pieces along N (2 for gate/up);
-    with ``spec.fused_shards == "per_shard"`` each keeps its own global scale, else one over all of them."""
+    with ``spec.fused_shards == "per_shard"`` each keeps its own global scale, else one over all of them.
+    Formula "te" with tensor scaling (every arm's trainer weights) is one amax pass and one cast pass for all
+    experts and shards (``minite.kernels.quantize_weight_groups``: codes, scales and the BF16 values, each
+    group bit-equal to ``nvfp4.quantize(piece, formula="te", scaling="tensor")``)."""
     squeeze = w.dim() == 2
     w3 = w.detach().unsqueeze(0) if squeeze else w.detach()
     e, n, k = w3.shape
@@ -164,21 +144,22 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec, shards: int = 1) -> QWeigh
         raise ValueError(f"NVFP4 weight needs K % 16 == 0, got K = {k}")
     nshard = shards if spec.fused_shards == "per_shard" else 1
     tile = _weight_tile(spec, n // nshard)
-    nvfp4.check_finite(w3, "weight")
-    if spec.formula == "te" and spec.scaling == "tensor":
-        codes, scales, gdec = _quantize_te_groups(w3, tile, nshard)
+    if spec.formula == "te" and spec.scaling == "tensor":  # NaN/Inf raise from the amax pass
+        codes, scales, gdec, dq = _kernels.quantize_weight_groups(w3.reshape(e * n, k), e * nshard, tile)
+        codes, scales, dq = codes.view(e, n, k // 2), scales.view(e, n, k // 16), dq.view(e, n, k)
+        gdec = gdec.view(e, nshard).repeat_interleave(n // nshard, dim=1) if nshard > 1 else gdec
     else:  # other formulas: the reference quantizer, one call per (expert, shard)
+        nvfp4.check_finite(w3, "weight")
         parts = [[nvfp4.quantize(piece, **{**spec.quantize_kwargs(), "tile": tile})
                   for piece in w3[i].chunk(nshard, dim=0)] for i in range(e)]
         codes = torch.stack([torch.cat([p.codes for p in ps]) for ps in parts])
         scales = torch.stack([torch.cat([p.scales for p in ps]) for ps in parts])
         gdec = torch.stack([torch.cat([p.row_global_scale() for p in ps]) for ps in parts])
-    if nshard == 1:
-        gdec = gdec[:, 0].contiguous()          # one scalar per weight (per expert)
-    vals = nvfp4.e2m1_decode(nvfp4.unpack_codes(codes.view(e * n, k // 2))).view(e, n, k // 16, 16)
-    g = gdec if gdec.dim() == 1 else gdec[..., None]
-    dq = (vals * scales.to(torch.float32)[..., None]).view(e, n, k) * g.view(e, -1, 1)
-    dq = dq.to(torch.bfloat16)
+        if nshard == 1:
+            gdec = gdec[:, 0].contiguous()      # one scalar per weight (per expert)
+        vals = nvfp4.e2m1_decode(nvfp4.unpack_codes(codes.view(e * n, k // 2))).view(e, n, k // 16, 16)
+        g = gdec if gdec.dim() == 1 else gdec[..., None]
+        dq = ((vals * scales.to(torch.float32)[..., None]).view(e, n, k) * g.view(e, -1, 1)).to(torch.bfloat16)
     if squeeze:
         return QWeight(codes[0], scales[0], gdec[0], dq[0])
     return QWeight(codes, scales, gdec, dq)
@@ -206,18 +187,9 @@ class WeightCache:
 
 
 # --------------------------------------------------------------------------------- activations / grads
-def _quantize(x2d: torch.Tensor, state: QuantState, **kw) -> nvfp4.NVFP4Tensor:
-    """Backward operands; no NaN check per call (a host sync each): the update's grad-norm check catches
-    NaN/Inf gradients before any optimizer step."""
-    state.act_quantizations += 1
-    return _kernels.quantize(x2d, generator=state.generator if kw.get("rounding") == "stochastic" else None, check=False, **kw)
-
-
-def _dq(t: nvfp4.NVFP4Tensor) -> torch.Tensor:
-    """BF16 values of t (one Triton pass on the GPU; bit-identical to nvfp4.dequantize(t).to(bf16))."""
-    return _kernels.dequantize(t, torch.bfloat16)
-
-
+# Backward operands: tensor amax, formula "te", 1x16 blocks; no NaN check per call (a host sync each): the
+# update's grad-norm check catches NaN/Inf gradients before any optimizer step. Each is one call of
+# minite.kernels (an amax pass and one cast pass that writes the BF16 values the GEMMs multiply).
 def quantize_act(x2d: torch.Tensor, state: QuantState) -> nvfp4.NVFP4Tensor:
     """Forward activations per the recipe (gemm.quantize_activation: minite.kernels on CUDA), timed."""
     state.act_quantizations += 1
@@ -225,35 +197,56 @@ def quantize_act(x2d: torch.Tensor, state: QuantState) -> nvfp4.NVFP4Tensor:
         return G.quantize_activation(x2d, state.recipe.activations)
 
 
+def qdq_act(x2d: torch.Tensor, state: QuantState) -> torch.Tensor:
+    """BF16 values of the quantized activations (the emulated GEMM's operand), written by the cast itself:
+    bit-identical to ``nvfp4.dequantize(quantize_act(x2d, state)).bfloat16()``."""
+    state.act_quantizations += 1
+    with state.timed("quantize", "act"):
+        return _kernels.quantize_dequantize(x2d, torch.bfloat16, check=False,
+                                            **state.recipe.activations.quantize_kwargs())
+
+
+def _qdq(x, state: QuantState, rounding: str, rht: bool, **operand) -> torch.Tensor:
+    state.act_quantizations += 1
+    gen = state.generator if rounding == "stochastic" else None
+    with state.timed("quantize", "grad"):
+        return _kernels.quantize_dequantize(x, torch.bfloat16, formula="te", tile=(1, 16), scaling="tensor",
+                                            rounding=rounding, rht=rht, generator=gen, check=False, **operand)
+
+
 def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = False) -> torch.Tensor:
-    """Quantize-dequantize a backward operand [M, K] in 1x16 blocks along K (tensor amax, formula te).
+    """Quantize-dequantize a backward operand [M, K] in 1x16 blocks along K -> BF16 [M, K].
     K % 16 != 0 (a tiny router's N = 8 as dgrad's K) leaves it in BF16."""
     if x2d.shape[1] % 16:
         return x2d.to(torch.bfloat16)
-    with state.timed("quantize", "grad"):
-        return _dq(_quantize(x2d, state, formula="te", tile=(1, 16), scaling="tensor", rounding=rounding,
-                             rht=rht))
+    return _qdq(x2d, state, rounding, rht)
 
 
-def _pad_tokens(x2d: torch.Tensor) -> torch.Tensor:
-    pad = (-x2d.shape[0]) % 16
-    return torch.nn.functional.pad(x2d, (0, 0, 0, pad)) if pad else x2d
+def qdq_tokens(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool,
+               gather: torch.Tensor | None = None) -> torch.Tensor:
+    """A wgrad operand: x2d [M, C] quantize-dequantized along the token dimension -> BF16 [C, M'], i.e.
+    ``qdq_grad(pad16(x2d).t())`` (or, with ``gather``, of ``x2d[gather].t()``, -1 = a zero token) read
+    straight from x2d: no padding copy, no transpose copy."""
+    width = None if gather is not None else -(-x2d.shape[0] // 16) * 16
+    return _qdq(x2d.t(), state, rounding, rht, width=width, gather=gather)
 
 
 def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState):
-    """(dy^T, x^T) quantize-dequantized along the token dimension, BF16 [N, M'], [K, M'] (M' padded)."""
+    """(dy^T, x^T) quantize-dequantized along the token dimension, BF16 [N, M'], [K, M'] (M' = M padded to
+    a multiple of 16 with zero tokens)."""
     r = state.recipe
-    dyt = qdq_grad(_pad_tokens(dy2d).t().contiguous(), state, r.backward_rounding, r.backward_rht)
-    xt = qdq_grad(_pad_tokens(x2d).t().contiguous(), state, "nearest", r.backward_rht)
-    return dyt, xt
+    return (qdq_tokens(dy2d, state, r.backward_rounding, r.backward_rht),
+            qdq_tokens(x2d, state, "nearest", r.backward_rht))
 
 
 def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -> torch.Tensor:
     """Quantize x per the activation spec, then the recipe's GEMM with the quantized weight."""
+    if state.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
+        a = qdq_act(x2d, state)
+        with state.timed("gemm"):
+            return torch.matmul(a, qw.dq.T).to(out_dtype)
     a = quantize_act(x2d, state)
     with state.timed("gemm"):
-        if state.gemm == "emulated":  # == gemm.nvfp4_gemm("emulated"), reusing the dequantized weight
-            return torch.matmul(_dq(a), qw.dq.T).to(out_dtype)
         # fp32 out, then one cast: exactly gemm.nvfp4_linear, the op the sampler runs (one rounding step
         # less would change ties: float64 -> bf16 directly is not float64 -> fp32 -> bf16)
         return G.nvfp4_gemm(a, qw.gemm_weight(), state.gemm, out_dtype=torch.float32).to(out_dtype)

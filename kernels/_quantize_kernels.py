@@ -1,0 +1,224 @@
+"""Triton kernels behind ``minite.kernels.quantize`` (the entry points, their contract and tile choices live
+there). Every kernel reproduces ``minite.nvfp4`` bit for bit; the notes below say how.
+
+The operand. A kernel reads a 2D view ``x`` [R, C] through its strides (a transposed view ``x.t()`` costs no
+copy) and quantizes the *logical* operand X' [R, CW] along its second dim: X'[r, c] = x[r, src(c)] with
+src(c) = gather[c] (``GATHER``; -1 = a zero column) or c (zero for c >= C: right padding to CW).
+
+    _amax_kernel    max |X'| (after the RHT when asked) per group of ``rows_per_group`` rows, reduced on the
+                    fp32 bits as int32 (non-negative floats order like their bits; NaN sorts above Inf, so a
+                    bad input always shows up in the amax) with one atomic_max per tile or per row.
+    _cast_kernel    one pass per tile: load, RHT, global and block scales, E2M1 codes (RNE or the counter-hash
+                    stochastic stream), and any of: packed codes + E4M3 scales, S_dec per row / per group, the
+                    dequantized values (fp32 or BF16), a NaN/Inf count per program.
+    _dequant_kernel codes + scales + S_dec -> fp32 or BF16 values.
+
+Arithmetic rules that keep the bits equal to the PyTorch reference:
+  * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels.
+  * BF16 rounding is RNE on fp32 bits (the interpreter's bf16 cast truncates).
+  * Signs are set as bits, never by unary minus: Triton 3.6 lowers ``-x`` to ``0 - x`` (+0.0 for x = +0.0).
+  * The RHT is ``minite.nvfp4.rht16``'s float64 butterfly, stage for stage (elementwise: Triton 3.6 cannot
+    build an fp64 dot with K=16 on sm_90): sign flips, four a+b / a-b stages (index bit 0 first), x 1/4,
+    rounded to fp32 and then to the input's dtype.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code reads globals only as constexpr
+#: bit i set where TE's RHT sign vector (minite.nvfp4.RHT_SIGNS) is -1
+_RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(
+    (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)) if s < 0))
+#: RHT output precision (constexpr RHT): 0 = no RHT, 1 = fp32, 2 = BF16, 3 = FP16
+RHT_NONE, RHT_F32, RHT_BF16, RHT_F16 = 0, 1, 2, 3
+#: dequantized output (constexpr DQ): 0 = none, 1 = fp32, 2 = BF16 (stored as int16 bits)
+DQ_NONE, DQ_F32, DQ_BF16 = 0, 1, 2
+
+
+@triton.jit
+def _hash32(x):
+    # minite.nvfp4._hash32 on uint32 (the multiplies wrap mod 2**32 exactly like the int64 & mask form)
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x297A2D39
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _bf16_rne(y):
+    """fp32 -> the nearest BF16 value (ties to even), still as fp32; finite or not."""
+    bits = y.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_operand(x_ptr, gather_ptr, rows, cols, R, C, CW, stride_r, stride_c, GATHER: tl.constexpr):
+    """X'[rows, cols] as fp32 (zeros outside the operand); rows / cols broadcastable index tensors."""
+    if GATHER:
+        src = tl.load(gather_ptr + cols, mask=cols < CW, other=-1)
+        cmask = src >= 0
+    else:
+        src = cols
+        cmask = cols < C
+    ptrs = x_ptr + rows.to(tl.int64) * stride_r + src.to(tl.int64) * stride_c
+    return tl.load(ptrs, mask=(rows < R) & cmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rht16(x, RHT: tl.constexpr):
+    """minite.nvfp4.rht16 on the blocks of an fp32 tile [BR, NB, 16]."""
+    BR: tl.constexpr = x.shape[0]
+    NB: tl.constexpr = x.shape[1]
+    i = tl.arange(0, 16)
+    sign = 1.0 - 2.0 * ((tl.full((16,), _RHT_NEG_MASK, tl.int32) >> i) & 1).to(tl.float32)  # +-1
+    y = tl.reshape((x * sign[None, None, :]).to(tl.float64), (BR * NB, 2, 2, 2, 2))  # exact sign flips
+    for _ in tl.static_range(4):
+        # H2 on the last index bit, then rotate the next bit last: after four stages the order is natural
+        a, b = tl.split(y)
+        y = tl.permute(tl.join(a + b, a - b), (0, 4, 1, 2, 3))
+    y = (tl.reshape(y, (BR, NB, 16)) * 0.25).to(tl.float32)
+    if RHT == 2:
+        y = _bf16_rne(y)
+    elif RHT == 3:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _tile_index(BR: tl.constexpr, BC: tl.constexpr):
+    """Row and column indices of this program's tile, shaped [BR, 1, 1] and [1, BC // 16, 16]: the tile is
+    held as [rows, blocks, 16] from the load on, so a block's 16 values sit in one or two threads."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    blk = tl.program_id(1) * (BC // 16) + tl.arange(0, BC // 16)
+    cols = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    return rows[:, None, None], cols[None, :, :]
+
+
+@triton.jit
+def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows_per_group,
+                 BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
+                 TILE_IN_GROUP: tl.constexpr):
+    rows3, cols3 = _tile_index(BR, BC)
+    x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
+    if RHT != 0:
+        x = _rht16(x, RHT)
+    bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)  # [BR]
+    if TILE_IN_GROUP:  # the whole tile lies in one group: one atomic per program
+        tl.atomic_max(amax_ptr + (tl.program_id(0) * BR) // rows_per_group, tl.max(bits, axis=0))
+    else:
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        tl.atomic_max(amax_ptr + rows // rows_per_group, bits, mask=rows < R)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr,
+                 R, C, CW, stride_r, stride_c, rows_per_group, seed,
+                 BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
+                 TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
+                 DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr):
+    NB: tl.constexpr = BC // 16
+    pr = tl.program_id(0)
+    pc = tl.program_id(1)
+    rows3, cols3 = _tile_index(BR, BC)           # [BR, 1, 1], [1, NB, 16]
+    rows = pr * BR + tl.arange(0, BR)
+    rmask = rows < R
+    x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
+    if RHT != 0:
+        x = _rht16(x, RHT)
+    if CHECK:  # NaN/Inf count per program (the caller raises); after the RHT, which can itself overflow
+        badv = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+        tl.store(bad_ptr + pr * tl.num_programs(1) + pc, tl.sum(tl.sum(tl.sum(badv, axis=2), axis=1), axis=0))
+    ax = tl.abs(x)
+    bamax = tl.max(ax, axis=2)                   # [BR, NB]: 1x16 block amax
+    if ROW_AMAX:  # the tile holds whole rows
+        amax = tl.max(bamax, axis=1)
+    else:
+        amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+    # S_enc = min(2688 / amax, FLT_MAX), 1 where amax == 0 or S_enc == 0; S_dec = 1 / S_enc
+    s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), _FLT_MAX)
+    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+    mult = s_enc * 0.16666666666666666  # S_enc * fp32(1/6), formed first
+    if pc == 0:
+        if SDEC_ROWS:
+            tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        tl.store(gsdec_ptr + rows // rows_per_group, s_dec, mask=rmask & (rows % rows_per_group == 0))
+    if TILE16:  # the 16x16 tile's amax, repeated on its 16 rows
+        t = tl.max(tl.reshape(bamax, (BR // 16, 16, NB)), axis=1)
+        bamax = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, NB)), (BR, NB))
+    # block scale e4m3(min(block_amax * mult, FLT_MAX, 448)), rounded to nearest-even on the fp32 bits
+    sv = tl.minimum(tl.minimum(bamax * mult[:, None], _FLT_MAX), 448.0)
+    bits = sv.to(tl.uint32, bitcast=True)
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    is_norm = sv >= 0.015625
+    s_sub = (sv + 16384.0) - 16384.0  # RNE onto the 2**-9 subnormal grid
+    s_q = tl.where(is_norm, rb.to(tl.float32, bitcast=True), s_sub)
+    if CODES:
+        code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+        s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32)).to(tl.uint8)
+        scols = pc * NB + tl.arange(0, NB)
+        tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (CW // 16) + scols[None, :], s_code,
+                 mask=rmask[:, None] & (scols[None, :] < CW // 16))
+    enc = tl.minimum(tl.math.div_rn(tl.full(s_q.shape, 1.0, tl.float32), s_q * s_dec[:, None]), _FLT_MAX)
+    v = tl.minimum(tl.maximum(x * enc[:, :, None], -6.0), 6.0)
+    a = tl.abs(v)
+    if STOCHASTIC:  # up with probability (a - lo) / (hi - lo), u from hash(hash(index) ^ seed)
+        lo = ((a >= 0.5).to(tl.uint32) + (a >= 1.0) + (a >= 1.5) + (a >= 2.0) + (a >= 3.0)
+              + (a >= 4.0) + (a >= 6.0))
+        lo_val = tl.where(lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo < 7, lo.to(tl.float32) - 2.0, 6.0))
+        inv_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+        frac = (a - lo_val) * inv_step
+        idx = (rows3.to(tl.int64) * CW + cols3).to(tl.uint32)
+        hsh = _hash32(_hash32(idx) ^ seed.to(tl.uint32))
+        u = (hsh >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+        mag = lo + ((u < frac) & (lo < 7)).to(tl.uint32)
+    else:  # nearest, ties to the even code
+        mag = ((a > 0.25).to(tl.uint32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+               + (a >= 3.5) + (a > 5.0))
+    neg = (v < 0).to(tl.uint32)
+    if CODES:  # element 2j in the low nibble of byte j
+        even, odd = tl.split(tl.reshape(mag | (neg << 3), (BR, NB, 8, 2)))
+        pcols = (pc * NB + tl.arange(0, NB))[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(codes_ptr + rows3.to(tl.int64) * (CW // 2) + pcols[None, :, :], (even | (odd << 4)).to(tl.uint8),
+                 mask=(rows3 < R) & (pcols[None, :, :] < CW // 2))
+    if DQ != 0:  # (e2m1 * scale) * S_dec, as minite.nvfp4.dequantize
+        m = mag.to(tl.float32)
+        mval = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, tl.where(m < 7.0, 4.0, 6.0)))
+        val = (mval.to(tl.uint32, bitcast=True) | (neg << 31)).to(tl.float32, bitcast=True)
+        y = (val * s_q[:, :, None]) * s_dec[:, None, None]
+        dptr = dq_ptr + rows3.to(tl.int64) * CW + cols3
+        dmask = (rows3 < R) & (cols3 < CW)
+        if DQ == 2:
+            tl.store(dptr, (_bf16_rne(y).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True),
+                     mask=dmask)
+        else:
+            tl.store(dptr, y, mask=dmask)
+
+
+@triton.jit
+def _dequant_kernel(codes_ptr, scales_ptr, g_ptr, y_ptr, n_blocks, blocks_per_row,
+                    BLK: tl.constexpr, ROW_G: tl.constexpr, OUT_BF16: tl.constexpr):
+    """BLK blocks of 16 per program: y = (e2m1(code) * e4m3(scale)) * g, fp32 (then BF16, RNE)."""
+    b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+    bmask = b < n_blocks
+    p = tl.load(codes_ptr + b[:, None] * 8 + tl.arange(0, 8)[None, :], mask=bmask[:, None], other=0)
+    p = p.to(tl.uint32)
+    code = tl.reshape(tl.join(p & 0xF, p >> 4), (BLK, 16))  # element 2j = low nibble
+    m = (code & 7).to(tl.float32)
+    mag = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, tl.where(m < 7.0, 4.0, 6.0)))
+    val = (mag.to(tl.uint32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    sb = tl.load(scales_ptr + b, mask=bmask, other=0).to(tl.uint32)  # e4m3 bits, decoded exactly
+    e, man = (sb >> 3) & 0xF, sb & 7
+    s_norm = (((e + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    sc = tl.where(e == 0, man.to(tl.float32) * 0.001953125, s_norm)  # 2**-9 subnormal grid
+    sc = (sc.to(tl.uint32, bitcast=True) | ((sb & 0x80) << 24)).to(tl.float32, bitcast=True)
+    if ROW_G:
+        g = tl.load(g_ptr + b // blocks_per_row, mask=bmask, other=1.0)
+    else:
+        g = tl.load(g_ptr + b * 0, mask=bmask, other=1.0)
+    y = (val * sc[:, None]) * g[:, None]
+    if OUT_BF16:
+        y = (_bf16_rne(y).to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    tl.store(y_ptr + b[:, None] * 16 + tl.arange(0, 16)[None, :], y, mask=bmask[:, None])
