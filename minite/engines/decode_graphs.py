@@ -158,7 +158,7 @@ class DecodeRunner:
     def step(self, mode: str, capture=None) -> None:
         """One decode step of the running batch: the captured graph of its size, else eagerly (always eager
         with a ``capture`` hook, which sees the step's intermediate tensors)."""
-        graph = self.graphs.get((mode, self.size)) if capture is None else None
+        graph = self.graphs.get((mode, self.size)) if self.cuda_graphs and capture is None else None
         if graph is not None:
             graph.replay()
         else:
