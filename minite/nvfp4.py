@@ -123,7 +123,7 @@ def _f32(v, device) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float32, device=device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _e2m1_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 

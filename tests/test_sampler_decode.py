@@ -3,6 +3,7 @@ running batch without changing any sequence, trainer == sampler bit for bit in t
 vocabularies, in-place weight updates; on the GPU, graph == eager bit for bit for every arm."""
 import pytest
 import torch
+from test_sampler import PROMPTS, make_sampler, tiny_hf_model
 
 from minite.engines import sampler_ops as ops
 from minite.engines.arms import load_arm
@@ -11,7 +12,6 @@ from minite.engines.models import load_model_config
 from minite.engines.sampler import Sampler
 from minite.engines.sampler_weights import build_sampler_weights
 from minite.engines.sync import payload_from_hf_model
-from test_sampler import PROMPTS, make_sampler, tiny_hf_model
 
 ARMS = ("bf16", "naive_te_nvfp4", "minite_nvfp4")
 # six prompts: padded to 8 rows; once 4 or fewer are left the batch runs at size 4
@@ -213,7 +213,7 @@ def test_graph_equals_eager(arm_name):
 def test_step_does_not_synchronise(arm_name):
     s = _gpu_sampler(arm_name, cuda_graphs=False)
     s.generate(SIX, 3, generator=torch.Generator(device="cuda").manual_seed(0))  # compile, probe configs
-    st, runner = s._decode_ready()
+    _, runner = s._decode_ready()
     runner.start([0, 1, 2], torch.tensor([5, 6, 7], device="cuda"), torch.tensor([5, 3, 8], device="cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -419,7 +419,9 @@ class Sampler:
         logits = self._prefill(ids, lens, slots, capture)
         if capture is not None:
             capture(-1, "logits", (lens - 1)[:, None], logits[:, None])
-            step_capture = lambda layer, op, pos, t: capture(layer, op, pos[:b], t[:b])  # noqa: E731
+
+            def step_capture(layer, op, pos, t):  # the real rows, in their original order
+                return capture(layer, op, pos[:b], t[:b])
         tok = self._emit(logits, slots, lens, "score")
         runner.start(list(range(b)), tok, lens.clamp_max(self.max_seq_len - 1))
         need = [width - 1 - n for n in lens_l]  # decode steps each row needs (its last token predicts none)

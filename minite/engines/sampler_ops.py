@@ -20,10 +20,11 @@ in a CUDA graph; the host loops left here serve calibration and the CPU-only per
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-
-import functools
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe
@@ -31,7 +32,7 @@ from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_ac
 from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
 
 NON_GEMM = ("hf", "vllm")
-ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: the sdpa arms' BF16 kernels | float64
+ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa arms) | float64 (aligned)
 
 
 # ------------------------------------------------------------------------------------------- norms / act
@@ -249,28 +250,29 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      seq_lens: torch.Tensor, scaling: float, numerics: str) -> torch.Tensor:
     """One new query per sequence against its cache row. q [B, Hq, D]; k_cache / v_cache [slots, Hkv, S, D]
-    (one layer of the KV cache); slot_ids [B] int32: the sequence's cache row; seq_lens [B] int32: keys
-    0 .. seq_len - 1 are attended. Returns [B, Hq, D] in q's dtype. ``numerics``: "fast" (the sdpa arms:
-    BF16 inputs, fp32 softmax) or "invariant" (float64 throughout: the bits of ``invariant_attention``).
+    (one layer of the KV cache); slot_ids [B] int32: the sequence's cache row; seq_lens [B] int32 (>= 1):
+    keys 0 .. seq_len - 1 are attended. Returns [B, Hq, D] in q's dtype. ``numerics``: "fast" (the sdpa
+    arms: BF16 SDPA, as their prefill) or "invariant" (float64 throughout: the bits of
+    ``invariant_attention``, whose argument holds for any key count).
 
     This is the torch reference: it gathers the sequences' cache rows over all S positions (static shapes)
-    and masks the keys past seq_len; GQA runs as grouped matmuls over views (query heads h*rep .. h*rep +
-    rep - 1 share key/value head h), never a per-query-head copy of the cache."""
+    and masks the keys past seq_len; GQA runs grouped (SDPA's enable_gqa; in float64 a matmul over views:
+    query heads h*rep .. h*rep + rep - 1 share key/value head h), never a per-query-head copy of the cache."""
     if numerics not in ATTENTION_NUMERICS:
         raise ValueError(f"attention numerics {numerics!r}: expected one of {ATTENTION_NUMERICS}")
     b, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
-    keys, vals = k_cache[slot_ids], v_cache[slot_ids]                       # [B, Hkv, S, D]
-    keep = torch.arange(s, device=q.device)[None, :] < seq_lens[:, None]    # [B, S]
-    if numerics == "fast":
-        o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=keep[:, None, None, :],
-                                           scale=scaling, enable_gqa=True)
+    keys, vals = k_cache[slot_ids], v_cache[slot_ids]                                  # [B, Hkv, S, D]
+    keep = torch.arange(s, device=q.device)[None, None, None, :] < seq_lens[:, None, None, None]
+    if numerics == "fast":  # the prefill's SDPA family; cuDNN left out (it rebuilds per shape; capture)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=keep, scale=scaling,
+                                               enable_gqa=True)
         return o[:, :, 0]
-    q64 = q.to(torch.float64).view(b, hkv, hq // hkv, d)                    # as invariant_attention, grouped
-    scores = torch.matmul(q64, keys.to(torch.float64).transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.matmul(probs, vals.to(torch.float64)).to(q.dtype).view(b, hq, d)
+    keys, vals = keys.to(torch.float64), vals.to(torch.float64)
+    scores = torch.matmul(q.to(torch.float64).view(b, hkv, hq // hkv, d), keys.transpose(-1, -2)) * scaling
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)          # [B, Hkv, rep, S]
+    return torch.matmul(probs, vals).to(q.dtype).view(b, hq, d)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from itertools import pairwise
 
 import torch
 
@@ -97,7 +98,7 @@ def build_sampler(arm, cfg: dict, device, seed: int, checkpoint, max_batch: int,
     del payload
     acts = arm.sampler.activations
     if acts is not None and acts.scaling == "static":
-        sampler.calibrate(random_prompts(8, 16, cfg["vocab_size"], seed + 1))
+        sampler.calibrate(random_prompts(8, min(16, max_seq_len), cfg["vocab_size"], seed + 1))
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return sampler
@@ -129,7 +130,7 @@ class StepTimer:
         if self.cuda:
             torch.cuda.synchronize()
         return [(b[0], a[1].elapsed_time(b[1]) if self.cuda else (b[1] - a[1]) * 1e3)
-                for a, b in zip(self.marks, self.marks[1:])]
+                for a, b in pairwise(self.marks)]
 
 
 def copy_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> float:
@@ -209,7 +210,7 @@ def count_step_ops(sampler, batch: int, pos: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
-        skip = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"}
+        skip = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"})
 
         def __init__(self):
             super().__init__()
@@ -222,7 +223,7 @@ def count_step_ops(sampler, batch: int, pos: int) -> dict:
                 self.names[name] += 1
             return func(*args, **(kwargs or {}))
 
-    st, runner = sampler._decode_ready()
+    _, runner = sampler._decode_ready()
     n = min(batch, sampler.max_batch)
     runner.start(list(range(n)), torch.full((n,), 3, device=sampler.device),
                  torch.full((n,), pos, device=sampler.device))
@@ -239,14 +240,15 @@ def count_step_ops(sampler, batch: int, pos: int) -> dict:
             sampler._decode_step(runner.size, "sample")
     finally:
         del sampler._attention, sampler._logits  # the class's methods again
-    per_layer = [b - a for a, b in zip(marks, marks[1:])]
+    per_layer = [b - a for a, b in pairwise(marks)]
     return {"per_step": counter.n, "per_layer": per_layer, "outside_layers": counter.n - sum(per_layer),
             "top_ops": dict(counter.names.most_common(12))}
 
 
 # ------------------------------------------------------------------------------------------------- measure
-def measure(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
-    """One benchmark point on a built sampler (module docstring). Returns the JSON record."""
+def measure(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int = 0, touched=None) -> dict:
+    """One benchmark point on a built sampler (module docstring). Returns the JSON record. ``touched``: the
+    experts touched per layer, when known from an earlier point with the same prompts (else replayed)."""
     from minite.provenance import provenance
 
     cuda = sampler.device.type == "cuda"
@@ -278,7 +280,7 @@ def measure(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int = 0
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB (Linux)
         mem_source = "peak process RSS (CPU run)"
-    touched = experts_touched(sampler, out)
+    touched = experts_touched(sampler, out) if touched is None else touched
     wb = weight_bytes(sampler, batch, touched)
     bw = copy_bandwidth(sampler.device)
     tok_s = batch * len(steps) / decode_s
