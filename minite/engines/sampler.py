@@ -166,9 +166,10 @@ class Sampler:
             raise ValueError(f"{t} positions exceed the sampler's max_seq_len={self.max_seq_len}")
         return torch.arange(t, device=self.device)[None, :].expand(b, t)
 
-    def _attention(self, li, lw, x, pos, slots, decode, calib, valid):
-        """x [B, T, H] at positions pos [B, T] of cache slots [B]. ``decode``: (slot ids, sequence lengths) as
-        int32 for one token per sequence against its cache row; else a prefill from position 0."""
+    def _attention(self, li, lw, x, pos, slots, rope, decode, calib, valid):
+        """x [B, T, H] at positions pos [B, T] of cache slots [B] (``rope``: their rotary tables). ``decode``:
+        (slot ids, sequence lengths) as int32 for one token per sequence against its cache row; else a
+        prefill from position 0."""
         b, t, _ = x.shape
         qkv = ops.linear(x, lw.qkv, self.recipe, calib, valid)
         nq, nkv = self.n_q * self.head_dim, self.n_kv * self.head_dim
@@ -177,7 +178,7 @@ class Sampler:
         q = ops.rms_norm(q.reshape(b, t, self.n_q, self.head_dim), lw.q_norm, self.eps, mode).transpose(1, 2)
         k = ops.rms_norm(k.reshape(b, t, self.n_kv, self.head_dim), lw.k_norm, self.eps, mode).transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q, k, pos)
+        q, k = self.rotary(q, k, tables=rope)
         kc, vc = self._cache[0][li], self._cache[1][li]            # [slots, kv, S, D]
         kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, kv, D] at (slot, position)
         vc[slots[:, None], :, pos] = v.transpose(1, 2).to(vc.dtype)
@@ -215,6 +216,7 @@ class Sampler:
         w = self.weights
         mode = self.recipe.non_gemm
         h = F.embedding(ids, w.embed)
+        rope = self.rotary.tables(pos, h.dtype)
         pending = None  # the last block's output, added into the next norm (fused add + norm)
         for li, lw in enumerate(w.layers):
             def cap(op, tensor, _li=li):
@@ -224,7 +226,7 @@ class Sampler:
                 x = ops.rms_norm(h, lw.input_norm, self.eps, mode)
             else:
                 x, h = ops.add_rms_norm(pending, h, lw.input_norm, self.eps, mode)
-            a = self._attention(li, lw, x, pos, slots, decode, calib, valid)
+            a = self._attention(li, lw, x, pos, slots, rope, decode, calib, valid)
             cap("attn_out", a)
             x, h = ops.add_rms_norm(a, h, lw.post_norm, self.eps, mode)
             pending = self._mlp(lw, x, calib, valid, cap)

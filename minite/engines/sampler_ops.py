@@ -86,13 +86,19 @@ class Rotary:
             self.cos = emb.cos() * self.hf.attention_scaling
             self.sin = emb.sin() * self.hf.attention_scaling
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin) for positions [B, T]: made once per forward, shared by every layer. "hf": transformers'
+        own computation, [B, T, D] in ``dtype`` (q's); "vllm": rows of the fp32 cache, [B, 1, T, D]."""
+        if self.mode == "hf":
+            return self.hf(torch.empty(0, dtype=dtype, device=positions.device), positions)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, tables=None):
+        cos, sin = tables if tables is not None else self.tables(positions, q.dtype)
         if self.mode == "hf":
             from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
-            cos, sin = self.hf(q, positions)  # [B, T, D] in q's dtype, transformers' own computation
             return apply_rotary_pos_emb(q, k, cos, sin)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
 
         def rot(x):
             x32 = x.to(torch.float32)
