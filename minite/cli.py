@@ -18,6 +18,7 @@ log = logging.getLogger("minite")
 # job name -> (module under minite.jobs, one-line help)
 JOBS = {
     "bench-learner": ("bench_learner", "learner throughput: tokens/s of complete learner updates"),
+    "bench-sampler": ("bench_sampler", "rollout throughput: decode tokens/s against the weights' bandwidth roofline"),
     "diagnose": ("diagnose", "trainer/sampler mismatch, per-layer localisation, cause attribution"),
     "sft": ("sft", "SFT warm start on the synthetic task (cached; shared by all arms)"),
     "rl": ("rl", "long-horizon GRPO stability run (checkpoints, resumable)"),

@@ -70,6 +70,7 @@ are tested for bit equality against this module.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -131,13 +132,20 @@ def check_finite(x: torch.Tensor, what: str = "input") -> None:
 
 
 def _f32(v, device) -> torch.Tensor:
+    # a Python number becomes a fill on the device (no host-to-device copy: CUDA-graph capturable)
+    if isinstance(v, (int, float)):
+        return torch.full((), v, dtype=torch.float32, device=device)
     return torch.as_tensor(v, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
 def e2m1_decode(codes4: torch.Tensor) -> torch.Tensor:
     """Unpacked 4-bit codes (any integer dtype) -> float32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes4.device)
-    return table[codes4.long()]
+    return _e2m1_table(codes4.device)[codes4.long()]  # the table made once per device (graph capturable)
 
 
 def pack_codes(codes4: torch.Tensor) -> torch.Tensor:

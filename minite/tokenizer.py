@@ -13,6 +13,7 @@ _CHARS = "0123456789+-*/=()?:; .,abcxyz"  # 29 symbols -> ids 3..31
 VOCAB = ["<pad>", "<bos>", "<eos>"] + list(_CHARS)
 assert len(VOCAB) == 32
 _ID = {c: i for i, c in enumerate(VOCAB)}
+UNKNOWN = "\ufffd"  # what decode gives an id the vocabulary does not have
 
 
 class CharTokenizer:
@@ -29,11 +30,13 @@ class CharTokenizer:
         return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
 
     def decode(self, ids, stop_at_eos: bool = True) -> str:
+        """Ids -> text; an id outside the 32-symbol vocabulary (a model with a larger vocabulary) decodes to
+        U+FFFD, the replacement character, rather than failing."""
         out = []
         for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
             if i == EOS and stop_at_eos:
                 break
             if i in (PAD, BOS, EOS):
                 continue
-            out.append(VOCAB[i])
+            out.append(VOCAB[i] if 0 <= i < len(VOCAB) else UNKNOWN)
         return "".join(out)

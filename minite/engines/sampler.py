@@ -1,19 +1,29 @@
 """The sampling engine: an independent, vLLM-like implementation of Qwen3-MoE (not the HF model).
 
 What it shares with vLLM's structure: fused QKV and fused gate/up weights, a preallocated KV cache
-[layers, B, kv_heads, max_seq, head_dim], one batched prefill of the prompts then one token per sequence per
-decode step, experts as grouped GEMMs over rows sorted by expert, temperature / top-p sampling. Its numerics
-follow ``arm.sampler`` (GEMM path, attention, non-GEMM ops: see ``sampler_ops``, high-precision modules).
+[layers, slots, kv_heads, max_seq, head_dim] with one slot per sequence (and one dummy slot for padding
+rows), one batched prefill of the prompts then one token per sequence per decode step, experts as grouped
+GEMMs over rows sorted by expert, temperature / top-p sampling. Its numerics follow ``arm.sampler`` (GEMM
+path, attention, non-GEMM ops: see ``sampler_ops``, high-precision modules).
+
+The decode step has static shapes and reads nothing back to the host: token ids, positions and cache slots
+are device buffers of a captured batch size, KV is written in place at (slot, position), attention runs over
+the slot-indexed cache (``sampler_ops.decode_attention``), experts through one grouped GEMM per projection,
+and the token is drawn on the device. ``decode_graphs`` captures it in a CUDA graph per batch size and drops
+finished sequences from the running batch; on CPU or with ``cuda_graphs=False`` the same step runs eagerly.
 
 Log-probs: ``generate`` returns, for every sampled token, its log-prob under the model's distribution at
 temperature 1.0 with no top-p truncation (vLLM's default "raw" log-probs) — the quantity RL frameworks
 compare with the trainer's teacher-forced log-probs. Temperature / top-p only change which token is drawn.
+Randomness: one uniform draw per (sequence, position), taken from the caller's generator before the first
+step, picks the token by inverse CDF; so the same generator state gives the same tokens, eager or graphed,
+whichever rows share a step.
 
-One forward (``_forward``) serves prefill and decode: T new tokens per sequence at positions start_b ..
-start_b + T - 1 are written into the cache and attend to cache keys 0 .. their own position. ``score``
-replays given tokens through the decode path (prefill the prompt, then one token per step), exactly as
-``generate`` computed them; ``score(..., path="prefill")`` does one full-sequence forward instead (the
-trainer's shape), which with invariant attention + kernel GEMM + "hf" ops gives the same bits.
+``score`` replays given tokens through the same decode step (prefill the prompt, then one token per step);
+``score(..., path="prefill")`` does one full-sequence forward instead (the trainer's shape), which with
+invariant attention + kernel GEMM + "hf" ops gives the same bits. Rows sharing a step do not change a row's
+bits where the arm's kernels are batch invariant (the aligned arm); elsewhere (cuBLAS) the bits can depend
+on the padded batch size, so generate and score agree bitwise there only when their batches run alike.
 """
 from __future__ import annotations
 
@@ -25,8 +35,12 @@ import torch.nn.functional as F
 from minite.engines import sampler_ops as ops
 from minite.engines.arms import Arm
 from minite.engines.attention import invariant_attention
+from minite.engines.decode_graphs import DecodeRunner, DecodeState
 from minite.engines.sampler_weights import build_sampler_weights
 from minite.tokenizer import EOS, PAD, CharTokenizer
+
+#: decode steps between host checks for finished sequences (each check reads a few flags back)
+CHECK_EVERY = 8
 
 
 @dataclass
@@ -48,7 +62,8 @@ def hf_config_of(model_cfg):
 
 
 class Sampler:
-    def __init__(self, arm: Arm, model_cfg, device="cpu", max_batch: int = 64, max_seq_len: int | None = None):
+    def __init__(self, arm: Arm, model_cfg, device="cpu", max_batch: int = 64, max_seq_len: int | None = None,
+                 cuda_graphs: bool = True):
         self.arm, self.recipe = arm, arm.sampler
         if self.recipe.non_gemm not in ops.NON_GEMM:
             raise ValueError(f"sampler non_gemm {self.recipe.non_gemm!r}: expected one of {ops.NON_GEMM}")
@@ -67,20 +82,35 @@ class Sampler:
         self.eps = c.rms_norm_eps
         self.max_batch = int(max_batch)
         self.max_seq_len = int(max_seq_len or c.max_position_embeddings)
+        self.cuda_graphs = bool(cuda_graphs)   # used on CUDA devices; read at every generate / score
         self.rotary = ops.Rotary(c, self.recipe.non_gemm, self.max_seq_len, self.device)
         self.weights = None            # sampler_weights.SamplerWeights, set by load_weights (only through sync)
-        self._cache = None             # (k, v) [L, B, kv_heads, max_seq, head_dim], allocated on first use
+        self._cache = None             # (k, v) [L, max_batch + 1, kv_heads, max_seq, head_dim], on first use
+        self._state = self._runner = None
+        self.on_step = None            # optional callable(label): "start", "prefill", then once per decode step
         tok = model_cfg.get("tokenizer") if isinstance(model_cfg, dict) else None
-        self.tokenizer = CharTokenizer() if tok == "char" else None
+        char_ok = tok == "char" and c.vocab_size <= CharTokenizer.vocab_size  # ids the char vocabulary knows
+        self.tokenizer = CharTokenizer() if char_ok else None
 
     # ------------------------------------------------------------------------------------------ weights
     def load_weights(self, payload: dict) -> None:
         """Install weights from a sync payload (``trainer.export_weights()`` format, docs/ENGINES.md). Static
-        activation scales from an earlier ``calibrate`` are kept (vLLM calibrates once, at start)."""
+        activation scales from an earlier ``calibrate`` are kept (vLLM calibrates once, at start). When CUDA
+        graphs are captured and the layout is unchanged, the new values are copied into the tensors the
+        graphs read."""
         old = self.weights
-        self.weights = build_sampler_weights(payload, self.recipe, self.config, self.device)
+        new = build_sampler_weights(payload, self.recipe, self.config, self.device)
         if old is not None:
-            self.weights.copy_amax_from(old)
+            new.copy_amax_from(old)
+        new.prepare(self.recipe)
+        if old is not None and self._runner is not None and self._runner.graphs and old.copy_(new):
+            return
+        self.weights = new
+        self._drop_graphs()
+
+    def _drop_graphs(self):
+        if self._runner is not None:
+            self._runner.drop_graphs()
 
     def _need_weights(self):
         if self.weights is None:
@@ -99,27 +129,47 @@ class Sampler:
         amax; experts share one amax per layer and projection (vLLM takes the max over experts)."""
         w = self._need_weights()
         self._check_prompts(prompts)
+        self._decode_ready()
         calib = ops.Calibrator()
         for i in range(0, len(prompts), self.max_batch):
             chunk = prompts[i:i + self.max_batch]
             ids, lens = self._pad(chunk)
             valid = (torch.arange(ids.shape[1], device=self.device)[None, :] < lens[:, None]).reshape(-1)
-            h, pend, _ = self._forward(ids, torch.zeros_like(lens), calib=calib, valid=valid)
+            h, pend = self._layers(ids, self._prefill_positions(ids), self._slots(len(chunk)), calib=calib,
+                                   valid=valid)
             self._logits(h, pend, rows=valid.nonzero().squeeze(-1), calib=calib)  # lm_head, if quantized
         w.set_amax(calib.amax)
+        w.prepare(self.recipe)
+        self._drop_graphs()  # the static scales are constants of the captured steps
         return dict(calib.amax)
 
     # ------------------------------------------------------------------------------------------ forward
-    def _kv(self, batch: int):
-        if batch > self.max_batch:
-            raise ValueError(f"batch of {batch} sequences exceeds the sampler's max_batch={self.max_batch}")
-        if self._cache is None or self._cache[0].shape[1] < batch:  # grows to the largest batch seen
-            shape = (self.num_layers, batch, self.n_kv, self.max_seq_len, self.head_dim)
+    def _decode_ready(self) -> tuple[DecodeState, DecodeRunner]:
+        """The KV cache, the decode state and its runner, allocated once (graphs hold their addresses)."""
+        if self._cache is None:
+            shape = (self.num_layers, self.max_batch + 1, self.n_kv, self.max_seq_len, self.head_dim)
             self._cache = (torch.zeros(shape, dtype=torch.bfloat16, device=self.device),
                            torch.zeros(shape, dtype=torch.bfloat16, device=self.device))
-        return self._cache
+            self._state = DecodeState(self.max_batch, self.max_seq_len, self.device)
+            self._runner = DecodeRunner(self._decode_step, self._state, self.max_batch, False)
+        self._runner.cuda_graphs = self.cuda_graphs and self.device.type == "cuda"
+        return self._state, self._runner
 
-    def _attention(self, li, lw, x, pos, calib, valid):
+    def _slots(self, n: int) -> torch.Tensor:
+        if n > self.max_batch:
+            raise ValueError(f"batch of {n} sequences exceeds the sampler's max_batch={self.max_batch}")
+        return torch.arange(n, device=self.device)
+
+    def _prefill_positions(self, ids):
+        b, t = ids.shape
+        if t > self.max_seq_len:
+            raise ValueError(f"{t} positions exceed the sampler's max_seq_len={self.max_seq_len}")
+        return torch.arange(t, device=self.device)[None, :].expand(b, t)
+
+    def _attention(self, li, lw, x, pos, slots, rope, decode, calib, valid):
+        """x [B, T, H] at positions pos [B, T] of cache slots [B] (``rope``: their rotary tables). ``decode``:
+        (slot ids, sequence lengths) as int32 for one token per sequence against its cache row; else a
+        prefill from position 0."""
         b, t, _ = x.shape
         qkv = ops.linear(x, lw.qkv, self.recipe, calib, valid)
         nq, nkv = self.n_q * self.head_dim, self.n_kv * self.head_dim
@@ -128,20 +178,22 @@ class Sampler:
         q = ops.rms_norm(q.reshape(b, t, self.n_q, self.head_dim), lw.q_norm, self.eps, mode).transpose(1, 2)
         k = ops.rms_norm(k.reshape(b, t, self.n_kv, self.head_dim), lw.k_norm, self.eps, mode).transpose(1, 2)
         v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q, k, pos)
-        kc, vc = self._kv(b)
-        bi = torch.arange(b, device=self.device)[:, None].expand(b, t)
-        kc[li, :b][bi, :, pos] = k.transpose(1, 2).to(kc.dtype)   # [B, T, kv, D] into [B, kv, S, D]
-        vc[li, :b][bi, :, pos] = v.transpose(1, 2).to(vc.dtype)
-        s = int(pos.max()) + 1                                     # the valid cache prefix
-        keys, vals = kc[li, :b, :, :s], vc[li, :b, :, :s]
-        keep = torch.arange(s, device=self.device)[None, None, None, :] <= pos[:, None, :, None]
-        if self.recipe.attention == "invariant":
-            o = invariant_attention(q, keys, vals, self.scaling, keep=keep)
-        else:
-            rep = self.n_q // self.n_kv
-            o = F.scaled_dot_product_attention(q, keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1),
-                                               attn_mask=keep, scale=self.scaling).transpose(1, 2)
+        q, k = self.rotary(q, k, tables=rope)
+        kc, vc = self._cache[0][li], self._cache[1][li]            # [slots, kv, S, D]
+        kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, kv, D] at (slot, position)
+        vc[slots[:, None], :, pos] = v.transpose(1, 2).to(vc.dtype)
+        invariant = self.recipe.attention == "invariant"
+        if decode is not None:
+            o = ops.decode_attention(q[:, :, 0], kc, vc, *decode, self.scaling,
+                                     "invariant" if invariant else "fast")
+        else:  # the prompt's own keys are all the keys (cache dtype: BF16, as computed)
+            keep = torch.arange(t, device=self.device)[None, None, None, :] <= pos[:, None, :, None]
+            if invariant:
+                o = invariant_attention(q, k, v, self.scaling, keep=keep)
+            else:  # as transformers' sdpa attention with a mask: key/value heads repeated for the query heads
+                rep = self.n_q // self.n_kv
+                o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                   attn_mask=keep, scale=self.scaling).transpose(1, 2)
         return ops.linear(o.reshape(b, t, nq), lw.o, self.recipe, calib, valid)
 
     def _mlp(self, lw, x, calib, valid, cap):
@@ -158,15 +210,13 @@ class Sampler:
         cap("topk", idx.reshape(b, t, -1))
         return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid).reshape(b, t, h)
 
-    def _forward(self, ids, start, capture=None, calib=None, valid=None):
-        """ids [B, T] at positions start[b] + t -> final hidden states [B, T, H] (before the final norm)."""
+    def _layers(self, ids, pos, slots, decode=None, capture=None, calib=None, valid=None):
+        """ids [B, T] at positions pos [B, T] of cache slots [B] -> (residual stream, last block's output)
+        [B, T, H], before the final norm. ``capture(layer, op, positions, tensor)``: module docstring."""
         w = self.weights
-        b, t = ids.shape
-        pos = start[:, None] + torch.arange(t, device=self.device)[None, :]
-        if int(pos.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(pos.max())} beyond the sampler's max_seq_len={self.max_seq_len}")
         mode = self.recipe.non_gemm
         h = F.embedding(ids, w.embed)
+        rope = self.rotary.tables(pos, h.dtype)
         pending = None  # the last block's output, added into the next norm (fused add + norm)
         for li, lw in enumerate(w.layers):
             def cap(op, tensor, _li=li):
@@ -176,14 +226,14 @@ class Sampler:
                 x = ops.rms_norm(h, lw.input_norm, self.eps, mode)
             else:
                 x, h = ops.add_rms_norm(pending, h, lw.input_norm, self.eps, mode)
-            a = self._attention(li, lw, x, pos, calib, valid)
+            a = self._attention(li, lw, x, pos, slots, rope, decode, calib, valid)
             cap("attn_out", a)
             x, h = ops.add_rms_norm(a, h, lw.post_norm, self.eps, mode)
             pending = self._mlp(lw, x, calib, valid, cap)
             cap("moe_out", pending)
             if capture is not None:  # the layer's output residual stream, as the next fused op will store it
                 cap("residual", h + pending if mode == "hf" else (h.float() + pending.float()).to(h.dtype))
-        return h, pending, pos
+        return h, pending
 
     def _logits(self, h, pending, rows=None, calib=None, valid=None):
         """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden."""
@@ -192,6 +242,47 @@ class Sampler:
             hs, ps = hs[rows], ps[rows]
         x, _ = ops.add_rms_norm(ps, hs, self.weights.norm, self.eps, self.recipe.non_gemm)
         return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid)
+
+    def _prefill(self, ids, lens, slots, capture=None):
+        """Prompts ids [B, P] (PAD after each prompt's lens) into cache slots [B] -> the logits [B, V] at each
+        prompt's last token."""
+        h, pend = self._layers(ids, self._prefill_positions(ids), slots, capture=capture)
+        return self._logits(h, pend, torch.arange(ids.shape[0], device=self.device) * ids.shape[1] + lens - 1)
+
+    def _emit(self, logits, slots, nxt, mode):
+        """The token at position ``nxt`` of each row (drawn, or teacher-forced in mode "score") and its
+        temperature-1 log-prob, recorded in the decode state's tables."""
+        st = self._state
+        lf = logits.float()
+        if mode == "score":
+            tok = st.tokens[slots, nxt]
+        elif mode == "greedy":
+            tok = lf.argmax(dim=-1)
+        else:
+            tok = ops.sample_tokens(lf, st.temperature, st.top_p if mode == "top_p" else None, st.uniform[slots, nxt])
+        lp = torch.log_softmax(lf, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+        st.emit(tok, lp, slots, nxt, write_tokens=mode != "score")
+        return tok
+
+    def _decode_step(self, b: int, mode: str, capture=None) -> None:
+        """One decode step over rows 0 .. b-1 of the decode state (``DecodeRunner``'s step function): feed
+        each row's token at its position, emit the next one, advance. Static shapes, no host read."""
+        st = self._state
+        ids, pos, slots = st.ids[:b], st.pos[:b], st.slots[:b]
+        at = pos[:, None]
+        decode = (slots.to(torch.int32), (pos + 1).to(torch.int32))
+        h, pend = self._layers(ids[:, None], at, slots, decode, capture)
+        logits = self._logits(h, pend)
+        if capture is not None:
+            capture(-1, "logits", at, logits[:, None])
+        nxt = (pos + 1).clamp_max(self.max_seq_len - 1)
+        tok = self._emit(logits, slots, nxt, mode)
+        ids.copy_(tok)
+        pos.copy_(nxt)
+
+    def _mark(self, label: str) -> None:
+        if self.on_step is not None:
+            self.on_step(label)
 
     # ------------------------------------------------------------------------------------------ inputs
     def _check_prompts(self, prompts):
@@ -209,10 +300,10 @@ class Sampler:
 
     def _pad(self, prompts):
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        ids = torch.full((len(prompts), int(lens.max())), PAD, dtype=torch.long, device=self.device)
+        ids = torch.full((len(prompts), max(len(p) for p in prompts)), PAD, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long, device=self.device)
-        return ids, lens
+            ids[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        return ids.to(self.device), lens
 
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
@@ -230,94 +321,116 @@ class Sampler:
         if longest + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len={self.max_seq_len}")
+        b, n_new = len(prompts), int(max_new_tokens)
+        slots = self._slots(b)
+        mode = "greedy" if temperature == 0 else ("top_p" if top_p < 1 else "sample")
+        st, runner = self._decode_ready()
+        runner.prepare(mode)
         ids, lens = self._pad(prompts)
-        b = ids.shape[0]
-        h, pend, _ = self._forward(ids, torch.zeros_like(lens))
-        rows = torch.arange(b, device=self.device) * ids.shape[1] + lens - 1  # each prompt's last token
-        logits = self._logits(h, pend, rows)
-        new = torch.full((b, max_new_tokens), PAD, dtype=torch.long, device=self.device)
-        new_lp = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        n_gen = torch.zeros(b, dtype=torch.long, device=self.device)
-        for step in range(max_new_tokens):
-            lf = logits.float()
-            tok = ops.sample_tokens(lf, temperature, top_p, generator)
-            lp = torch.log_softmax(lf, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
-            live = ~done
-            new[:, step] = torch.where(live, tok, torch.full_like(tok, PAD))
-            new_lp[:, step] = torch.where(live, lp, torch.zeros_like(lp))
-            n_gen += live.long()
-            if stop_token is not None:
-                done |= live & (tok == stop_token)
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            h, pend, _ = self._forward(new[:, step:step + 1], lens + step)
-            logits = self._logits(h, pend)
-        return self._assemble(prompts, lens, new, new_lp, n_gen)
+        st.reset_slots(b)
+        st.tokens[:b, :ids.shape[1]] = ids
+        st.temperature.fill_(max(float(temperature), 1e-30))
+        st.top_p.fill_(float(top_p))
+        st.stop.fill_(-1 if stop_token is None else int(stop_token))
+        if mode != "greedy":  # every draw, up front: row i's token at position lens[i] + j takes draw [i, j]
+            dev = generator.device if generator is not None else self.device
+            draws = torch.rand((b, n_new), generator=generator, device=dev).to(self.device)
+            st.uniform[slots[:, None], lens[:, None] + torch.arange(n_new, device=self.device)] = draws
+        self._mark("start")
+        tok = self._emit(self._prefill(ids, lens, slots), slots, lens, mode)
+        self._mark("prefill")
+        runner.start(list(range(b)), tok, lens)
+        for step in range(1, n_new):
+            if stop_token is not None and step % CHECK_EVERY == 0:  # between steps: who has stopped?
+                stopped = st.stopped[st.slots[:len(runner.rows)]].tolist()
+                live = [i for i, s in enumerate(stopped) if not s]
+                if not live:
+                    break
+                runner.keep(live)
+            runner.step(mode)
+            self._mark("step")
+        return self._assemble(prompts, n_new, stop_token)
 
-    def _assemble(self, prompts, lens, new, new_lp, n_gen):
+    def _assemble(self, prompts, n_new, stop_token):
+        """The output from the decode tables (one read): each response up to its first stop token."""
         b = len(prompts)
-        width = int((lens + n_gen).max())
-        tokens = torch.full((b, width), PAD, dtype=torch.long, device=self.device)
-        mask = torch.zeros((b, width), dtype=torch.long, device=self.device)
-        lps = torch.zeros((b, width), dtype=torch.float32, device=self.device)
-        texts = [] if self.tokenizer is not None else None
+        table, lps = self._state.tokens[:b].cpu(), self._state.logprobs[:b].cpu()
+        spans = []
         for i, p in enumerate(prompts):
-            n, pl = int(n_gen[i]), len(p)
-            tokens[i, :pl] = torch.as_tensor(p, device=self.device)
-            tokens[i, pl:pl + n] = new[i, :n]
+            resp = table[i, len(p):len(p) + n_new]
+            hit = (resp == stop_token).nonzero() if stop_token is not None else resp[:0]
+            spans.append((len(p), int(hit[0]) + 1 if len(hit) else n_new))
+        width = max(pl + n for pl, n in spans)
+        tokens = torch.full((b, width), PAD, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        out_lp = torch.zeros((b, width), dtype=torch.float32)
+        texts = [] if self.tokenizer is not None else None
+        for i, (p, (pl, n)) in enumerate(zip(prompts, spans)):
+            tokens[i, :pl] = torch.as_tensor(p)
+            tokens[i, pl:pl + n] = table[i, pl:pl + n]
             mask[i, pl:pl + n] = 1
-            lps[i, pl:pl + n] = new_lp[i, :n]
+            out_lp[i, pl:pl + n] = lps[i, pl:pl + n]
             if texts is not None:
-                texts.append(self.tokenizer.decode(new[i, :n]))
-        return GenerationOutput(tokens, lens.clone(), mask, lps, texts)
+                texts.append(self.tokenizer.decode(table[i, pl:pl + n]))
+        lens = torch.tensor([pl for pl, _ in spans], dtype=torch.long)
+        dev = self.device
+        return GenerationOutput(tokens.to(dev), lens.to(dev), mask.to(dev), out_lp.to(dev), texts)
 
     @torch.no_grad()
     def score(self, tokens: torch.Tensor, prompt_lens, capture=None, path: str = "decode") -> torch.Tensor:
         """Log-probs [B, W] fp32 of tokens[b, t] for t >= prompt_lens[b] (0 on prompt positions), recomputed
-        by teacher forcing through the decode path (``path="decode"``: prefill the prompt, then one token per
-        step, as ``generate`` does) or one full-sequence forward (``path="prefill"``). ``capture(layer, op,
-        positions [B, T], tensor [B, T, ...])`` sees op in {"attn_out", "router_logits", "topk", "moe_out",
-        "residual"} per layer and ("logits", layer -1) with the [B, 1, V] logits each step."""
+        by teacher forcing through the decode step (``path="decode"``: prefill the prompt, then one token per
+        step, as ``generate`` does; a row leaves the running batch once scored) or one full-sequence forward
+        (``path="prefill"``). ``capture(layer, op, positions [B, T], tensor [B, T, ...])`` sees op in
+        {"attn_out", "router_logits", "topk", "moe_out", "residual"} per layer and ("logits", layer -1) with
+        the [B, 1, V] logits each step; with it the steps run eagerly and every row takes part in every step
+        (a row past its last token is fed PAD; what it computes there is reported, at positions >= W, and
+        not scored)."""
         self._need_weights()
         tokens = torch.as_tensor(tokens, device=self.device).long()
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected [B, W], got shape {tuple(tokens.shape)}")
         b, width = tokens.shape
-        lens = torch.as_tensor(prompt_lens, device=self.device).long().reshape(-1)
-        if lens.numel() != b or int(lens.min()) < 1 or int(lens.max()) > width:
+        lens_l = torch.as_tensor(prompt_lens).long().reshape(-1).tolist()
+        if len(lens_l) != b or min(lens_l) < 1 or max(lens_l) > width:
             raise ValueError("prompt_lens: one length per row, each in [1, W]")
         if width > self.max_seq_len:
             raise ValueError(f"sequence width {width} exceeds max_seq_len={self.max_seq_len}")
-        out = torch.zeros((b, width), dtype=torch.float32, device=self.device)
+        if path not in ("decode", "prefill"):
+            raise ValueError(f"path must be 'decode' or 'prefill', not {path!r}")
+        lens = torch.tensor(lens_l, dtype=torch.long, device=self.device)
+        slots = self._slots(b)
+        st, runner = self._decode_ready()
         if path == "prefill":
-            h, pend, pos = self._forward(tokens, torch.zeros_like(lens), capture)
+            pos = self._prefill_positions(tokens)
+            h, pend = self._layers(tokens, pos, slots, capture=capture)
             logits = self._logits(h, pend).reshape(b, width, -1)
             if capture is not None:
                 capture(-1, "logits", pos, logits)
             lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
             keep = torch.arange(1, width, device=self.device)[None, :] >= lens[:, None]
+            out = torch.zeros((b, width), dtype=torch.float32, device=self.device)
             out[:, 1:] = torch.where(keep, lp, torch.zeros_like(lp))
             return out
-        if path != "decode":
-            raise ValueError(f"path must be 'decode' or 'prefill', not {path!r}")
-        prompts = [tokens[i, :int(lens[i])].tolist() for i in range(b)]
-        ids, _ = self._pad(prompts)
-        h, pend, _ = self._forward(ids, torch.zeros_like(lens), capture)
-        rows = torch.arange(b, device=self.device) * ids.shape[1] + lens - 1
-        logits = self._logits(h, pend, rows)
-        ar = torch.arange(b, device=self.device)
-        for step in range(width - int(lens.min())):
-            t = lens + step                                   # position whose token these logits predict
-            if capture is not None:
-                capture(-1, "logits", (t - 1)[:, None], logits[:, None])
-            tgt = tokens[ar, t.clamp(max=width - 1)]
-            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tgt[:, None]).squeeze(-1)
-            inside = t < width
-            out[ar[inside], t[inside]] = lp[inside]
-            if step == width - int(lens.min()) - 1:
-                break
-            feed = torch.where(inside, tgt, torch.full_like(tgt, PAD))
-            h, pend, _ = self._forward(feed[:, None], t.clamp(max=self.max_seq_len - 1), capture)
-            logits = self._logits(h, pend)
-        return out
+        if capture is None:
+            runner.prepare("score")
+        st.reset_slots(b, end=width)
+        st.tokens[:b, :width] = tokens
+        ids = torch.where(torch.arange(max(lens_l), device=self.device)[None, :] < lens[:, None],
+                          tokens[:, :max(lens_l)], PAD)
+        logits = self._prefill(ids, lens, slots, capture)
+        if capture is not None:
+            capture(-1, "logits", (lens - 1)[:, None], logits[:, None])
+
+            def step_capture(layer, op, pos, t):  # the real rows, in their original order
+                return capture(layer, op, pos[:b], t[:b])
+        tok = self._emit(logits, slots, lens, "score")
+        runner.start(list(range(b)), tok, lens.clamp_max(self.max_seq_len - 1))
+        need = [width - 1 - n for n in lens_l]  # decode steps each row needs (its last token predicts none)
+        for step in range(max(need)):
+            if capture is None:
+                runner.keep([i for i, slot in enumerate(runner.rows) if need[slot] > step])
+                runner.step("score")
+            else:  # every row, every step, eagerly: the hook sees the batch in its original order
+                runner.step("score", step_capture)
+        return st.logprobs[:b, :width].clone()

@@ -1,4 +1,7 @@
-"""The sampler's non-GEMM ops and its linear / grouped-expert dispatch, in the two numerics it can run.
+"""The sampler's ops: non-GEMM ops in the two numerics it can run, its linear and grouped-expert dispatch,
+decode attention over the slot-indexed KV cache, and sampling. Everything a decode step calls is free of
+host synchronisation (no tensor read back to Python, no data-dependent shape), so the step can be captured
+in a CUDA graph; the host loops left here serve calibration and the CPU-only per-expert paths.
 
 ``non_gemm`` (``EngineRecipe.non_gemm``):
     "hf"    transformers' exact op semantics, so that the aligned arm's sampler reproduces the trainer (an
@@ -17,18 +20,19 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from minite import nvfp4
-from minite.engines.arms import EngineRecipe, QuantSpec
+from minite import kernels, nvfp4
+from minite.engines.arms import EngineRecipe
 from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_activation
-from minite.engines.sampler_weights import Experts, Lin
-from minite import kernels
+from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
 
 NON_GEMM = ("hf", "vllm")
-#: ModelOpt / vLLM: input_scale = amax / (6 * 448)
-FP4_E4M3_RANGE = 6.0 * 448.0
+ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa arms) | float64 (aligned)
 
 
 # ------------------------------------------------------------------------------------------- norms / act
@@ -82,13 +86,19 @@ class Rotary:
             self.cos = emb.cos() * self.hf.attention_scaling
             self.sin = emb.sin() * self.hf.attention_scaling
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin) for positions [B, T]: made once per forward, shared by every layer. "hf": transformers'
+        own computation, [B, T, D] in ``dtype`` (q's); "vllm": rows of the fp32 cache, [B, 1, T, D]."""
+        if self.mode == "hf":
+            return self.hf(torch.empty(0, dtype=dtype, device=positions.device), positions)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, tables=None):
+        cos, sin = tables if tables is not None else self.tables(positions, q.dtype)
         if self.mode == "hf":
             from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
-            cos, sin = self.hf(q, positions)  # [B, T, D] in q's dtype, transformers' own computation
             return apply_rotary_pos_emb(q, k, cos, sin)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
 
         def rot(x):
             x32 = x.to(torch.float32)
@@ -97,19 +107,6 @@ class Rotary:
 
 
 # ------------------------------------------------------------------------------------------------ linears
-def static_scale(amax: torch.Tensor | None, spec: QuantSpec, name: str) -> torch.Tensor | None:
-    """The value ``minite.engines.gemm`` takes for static scaling: vLLM's encode scale G = 1 / input_scale
-    with input_scale = amax / 2688 as the ModelOpt checkpoint stores it ("vllm"), else the amax itself."""
-    if spec.scaling != "static":
-        return None
-    if amax is None:
-        raise RuntimeError(f"{name}: static activation scaling needs calibration; call sampler.calibrate(prompts)")
-    if spec.formula == "vllm":
-        input_scale = amax.to(torch.float32) / FP4_E4M3_RANGE
-        return 1.0 / input_scale
-    return amax
-
-
 class Calibrator:
     """Records the max |activation| per linear over the valid (non-padding) rows of a calibration pass."""
 
@@ -124,55 +121,96 @@ class Calibrator:
         self.amax[name] = m if name not in self.amax else torch.maximum(self.amax[name], m)
 
 
+def _scale(host: float | None, amax, recipe: EngineRecipe, name: str):
+    """The static activation scale: the host number ``SamplerWeights.prepare`` made (nothing read back from
+    the device), else computed from amax (raises when the linear needs calibration)."""
+    return host if host is not None else static_scale(amax, recipe.activations, name)
+
+
 def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | None = None,
            valid: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T. BF16 weights: a plain BF16 matmul. NVFP4: ``nvfp4_linear`` per the recipe. During
-    calibration the activation is left unquantized (ModelOpt calibrates with input quantizers collecting,
-    not quantizing): x @ dequantize(W)^T in BF16."""
+    """y = x W^T. BF16 weights: a plain BF16 matmul. NVFP4: ``nvfp4_linear`` per the recipe (the emulated
+    path multiplies by the weight's cached BF16 dequantization, the same values). During calibration the
+    activation is left unquantized (ModelOpt calibrates with input quantizers collecting, not quantizing):
+    x @ dequantize(W)^T in BF16."""
     if not lin.quantized:
         return hp_linear(x, lin.weight, recipe.hp_gemm == "invariant")
     if calib is not None:
         calib.record(lin.name, x.reshape(-1, x.shape[-1]), valid)
         return F.linear(x, nvfp4.dequantize(lin.q).to(x.dtype))
-    return nvfp4_linear(x, lin.q, recipe.activations, recipe.gemm,
-                        static_scale(lin.amax, recipe.activations, lin.name))
+    scale = _scale(lin.act_scale, lin.amax, recipe, lin.name)
+    if recipe.gemm == "emulated" and lin.deq is not None:  # gemm.nvfp4_gemm's "emulated", weight cached
+        lead, k = x.shape[:-1], x.shape[-1]
+        a = quantize_activation(x.reshape(-1, k), recipe.activations, scale)
+        y = F.linear(nvfp4.dequantize(a).to(torch.bfloat16), lin.deq)
+        return y.to(x.dtype).reshape(*lead, lin.deq.shape[0])
+    return nvfp4_linear(x, lin.q, recipe.activations, recipe.gemm, scale)
 
 
 # ------------------------------------------------------------------------------------------------ experts
+@functools.cache
+def _grouped_mm_works(device_type: str) -> bool:
+    """Whether ``torch._grouped_mm`` (one BF16 grouped GEMM, offsets read on the device) runs here."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    x = torch.zeros(2, 16, dtype=torch.bfloat16, device=device_type)
+    w = torch.zeros(1, 16, 16, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([2], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """BF16 rows xs [S, K] sorted by expert, stacked weights w [E, N, K] -> [S, N]: one ``torch._grouped_mm``
+    (no host read), or, where it does not run, one matmul per non-empty expert."""
+    if _grouped_mm_works(xs.device.type):
+        return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
+    bounds = offsets.tolist()
+    out = xs.new_empty(xs.shape[0], w.shape[1])
+    for e in range(len(bounds) - 1):
+        if bounds[e + 1] > bounds[e]:
+            out[bounds[e]:bounds[e + 1]] = F.linear(xs[bounds[e]:bounds[e + 1]], w[e])
+    return out
+
+
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
                    calib: Calibrator | None = None, valid: torch.Tensor | None = None,
-                   dequantized=None) -> torch.Tensor:
+                   dequantized=None, act_scale: float | None = None) -> torch.Tensor:
     """Rows of xs [S, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1]. Returns [S, N].
-    ``dequantized()``: the stacked BF16 values of NVFP4 ``weights`` for the "emulated" path."""
-    bounds = offsets.tolist()
-    if isinstance(weights, list) and recipe.gemm == "emulated" and calib is None and dequantized is not None:
+    ``weights``: BF16 [E, N, K], a list of E NVFP4Tensors, or their ``NVFP4Experts`` stack (what the grouped
+    kernel reads). ``dequantized()``: the stacked BF16 values of NVFP4 ``weights`` for the "emulated" path.
+    ``act_scale``: the static activation scale as a host number (else computed from ``amax``). Without
+    calibration, every path but the CPU per-expert loops reads nothing back from the device."""
+    nvfp4_w = not isinstance(weights, torch.Tensor)
+    if nvfp4_w and recipe.gemm == "emulated" and calib is None and dequantized is not None:
         # vLLM's / TE's emulation: quantize the activations, dequantize both, one BF16 grouped GEMM
-        a = quantize_activation(xs, recipe.activations, static_scale(amax, recipe.activations, name))
-        xs, weights = nvfp4.dequantize(a).to(xs.dtype), dequantized()
-    if not isinstance(weights, list):  # BF16 [E, N, K]
-        if xs.is_cuda and hasattr(torch, "_grouped_mm"):
-            return torch._grouped_mm(xs, weights.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
-        out = xs.new_empty(xs.shape[0], weights.shape[1])
-        for e in range(len(bounds) - 1):
-            if bounds[e + 1] > bounds[e]:
-                out[bounds[e]:bounds[e + 1]] = F.linear(xs[bounds[e]:bounds[e + 1]], weights[e])
-        return out
-    out = xs.new_empty(xs.shape[0], weights[0].shape[0])
+        a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
+        xs, weights, nvfp4_w = nvfp4.dequantize(a).to(xs.dtype), dequantized(), False
+    if not nvfp4_w:  # BF16 [E, N, K]
+        return grouped_mm(xs, weights, offsets)
+    if calib is None and recipe.gemm == "kernel":  # one activation quantization, one grouped launch
+        a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
+        return kernels.grouped_nvfp4_gemm(a, weights, offsets.to(torch.int64), out_dtype=torch.float32
+                                          ).to(xs.dtype)
+    ws = weights if isinstance(weights, list) else [
+        nvfp4.NVFP4Tensor(weights.codes[e], weights.scales[e], weights.global_scale[e])
+        for e in range(weights.codes.shape[0])]
+    bounds = offsets.tolist()  # host loops: calibration, and the emulated path without cached weights
+    out = xs.new_empty(xs.shape[0], ws[0].shape[0])
     if calib is not None:
         calib.record(name, xs, valid)
         for e in range(len(bounds) - 1):
             if bounds[e + 1] > bounds[e]:
-                w = nvfp4.dequantize(weights[e]).to(xs.dtype)
+                w = nvfp4.dequantize(ws[e]).to(xs.dtype)
                 out[bounds[e]:bounds[e + 1]] = F.linear(xs[bounds[e]:bounds[e + 1]], w)
         return out
     # one activation quantization for all rows (row / static scaling: identical to per-expert calls)
-    a = quantize_activation(xs, recipe.activations, static_scale(amax, recipe.activations, name))
-    if recipe.gemm == "kernel":  # the single grouped call site (minite.kernels, one launch for all experts)
-        return kernels.grouped_nvfp4_gemm(a, weights, offsets.to(torch.int64), out_dtype=torch.float32
-                                          ).to(xs.dtype)
-    for e in range(len(bounds) - 1):  # the emulated path: one GEMM per non-empty expert
+    a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
+    for e in range(len(bounds) - 1):  # the emulated path without cached weights: one GEMM per expert
         if bounds[e + 1] > bounds[e]:
-            y = nvfp4_gemm(a.rows(bounds[e], bounds[e + 1]), weights[e], recipe.gemm, torch.float32)
+            y = nvfp4_gemm(a.rows(bounds[e], bounds[e + 1]), ws[e], recipe.gemm, torch.float32)
             out[bounds[e]:bounds[e + 1]] = y.to(xs.dtype)
     return out
 
@@ -188,41 +226,75 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str):
 
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
         calib: Calibrator | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts for tokens x [T, H]: rows sorted by expert, two grouped GEMMs, weighted k-sum."""
+    """Routed experts for tokens x [T, H]: rows sorted by expert, two grouped GEMMs, weighted k-sum. The
+    expert offsets come from a search over the sorted ids, on the device (bincount would read its size
+    back)."""
     t, k = idx.shape
     flat = idx.reshape(-1)
     expert_sorted, perm = torch.sort(flat, stable=True)
     rows = perm // k
-    counts = torch.bincount(expert_sorted, minlength=experts.num_experts)
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    bounds = torch.arange(experts.num_experts + 1, device=flat.device, dtype=expert_sorted.dtype)
+    offsets = torch.searchsorted(expert_sorted, bounds)  # [E+1]: first row of each expert, then T*k
     vrows = None if valid is None else valid[rows]
-    h = grouped_linear(x[rows], experts.gate_up, offsets, recipe, experts.gate_up_amax,
-                       f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"))
+    stacked = experts.stacked if calib is None else {}
+    h = grouped_linear(x[rows], stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
+                       f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"),
+                       experts.act_scale.get("gate_up"))
     gate, up = h.chunk(2, dim=-1)
     h = silu_mul(gate, up, recipe.non_gemm)
-    y = grouped_linear(h, experts.down, offsets, recipe, experts.down_amax, f"{experts.name}.down", calib, vrows,
-                       lambda: experts.dequantized("down"))
-    out = torch.empty_like(y)
-    out[perm] = y  # back to (token, k) order
+    y = grouped_linear(h, stacked.get("down", experts.down), offsets, recipe, experts.down_amax,
+                       f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
+                       experts.act_scale.get("down"))
+    out = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, k) order
     out = out.view(t, k, -1)
     if recipe.non_gemm == "hf":  # transformers' grouped_mm experts: BF16 product, k-sum with one rounding
         return (out * weights.reshape(t, k, 1)).sum(dim=1).to(x.dtype)
     return (out.to(torch.float32) * weights.reshape(t, k, 1)).sum(dim=1).to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------------ attention
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                     seq_lens: torch.Tensor, scaling: float, numerics: str) -> torch.Tensor:
+    """One new query per sequence against its cache row. q [B, Hq, D]; k_cache / v_cache [slots, Hkv, S, D]
+    (one layer of the KV cache); slot_ids [B] int32: the sequence's cache row; seq_lens [B] int32 (>= 1):
+    keys 0 .. seq_len - 1 are attended. Returns [B, Hq, D] in q's dtype. ``numerics``: "fast" (the sdpa
+    arms: BF16 SDPA, as their prefill) or "invariant" (float64 throughout: the bits of
+    ``invariant_attention``, whose argument holds for any key count).
+
+    This is the torch reference: it gathers the sequences' cache rows over all S positions (static shapes)
+    and masks the keys past seq_len; GQA runs grouped (SDPA's enable_gqa; in float64 a matmul over views:
+    query heads h*rep .. h*rep + rep - 1 share key/value head h), never a per-query-head copy of the cache."""
+    if numerics not in ATTENTION_NUMERICS:
+        raise ValueError(f"attention numerics {numerics!r}: expected one of {ATTENTION_NUMERICS}")
+    b, hq, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    keys, vals = k_cache[slot_ids], v_cache[slot_ids]                                  # [B, Hkv, S, D]
+    keep = torch.arange(s, device=q.device)[None, None, None, :] < seq_lens[:, None, None, None]
+    if numerics == "fast":  # the prefill's SDPA family; cuDNN left out (it rebuilds per shape; capture)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=keep, scale=scaling,
+                                               enable_gqa=True)
+        return o[:, :, 0]
+    keys, vals = keys.to(torch.float64), vals.to(torch.float64)
+    scores = torch.matmul(q.to(torch.float64).view(b, hkv, hq // hkv, d), keys.transpose(-1, -2)) * scaling
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)          # [B, Hkv, rep, S]
+    return torch.matmul(probs, vals).to(q.dtype).view(b, hq, d)
+
+
 # ------------------------------------------------------------------------------------------------ sampling
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
-                  generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] (fp32) -> token ids [B]. temperature 0 = greedy; top_p keeps the smallest set of most
-    likely tokens whose probability reaches top_p (the token that crosses it included)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
+def sample_tokens(logits: torch.Tensor, temperature, top_p, uniform: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (fp32) -> token ids [B] with nothing read back to the host. ``temperature`` (> 0) and
+    ``top_p`` (None = 1) are numbers or 0-dim device tensors; ``uniform`` [B] in [0, 1) is each row's draw:
+    the token is where it falls in the cumulative distribution over the vocabulary (inverse CDF, one draw
+    per row, so a row's token depends on its own logits and draw only). top_p keeps the smallest set of most
+    likely tokens whose probability reaches top_p (the token that crosses it included; ties: lowest id)."""
     probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True, stable=True)  # ties: lowest id first, as argmax
+    if top_p is not None:
+        sp, si = probs.sort(dim=-1, descending=True, stable=True)
         drop = (sp.cumsum(dim=-1) - sp) >= top_p  # mass before this token already reaches top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    if generator is not None and generator.device != probs.device:  # e.g. a CPU generator, CUDA logits
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = torch.zeros_like(probs).scatter(-1, si, sp.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so the search lands on a token whose probability is not 0
+    x = torch.minimum(uniform[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)

@@ -8,6 +8,11 @@ up), then, per ``arm.sampler``:
   * codes form (``weights: from_trainer``): the trainer's NVFP4Tensors as they are; fusing concatenates rows
     and turns per-shard global scales into a per-row global scale [N].
 ``build_sampler_weights(payload, recipe, hf_config)`` does this; the payload format is ``minite.engines.sync``'s.
+NVFP4 experts are stacked once (``minite.kernels.NVFP4Experts``, what the grouped GEMM reads; the per-expert
+list is views into it). ``SamplerWeights.prepare(recipe)`` then makes the decode-time forms, once per sync and
+never inside a decode step: BF16 dequantized copies for the emulated GEMM path and static activation scales as
+host numbers. ``SamplerWeights.copy_(other)`` updates the weights in place (a re-sync keeps the tensors that
+captured CUDA graphs read).
 """
 from __future__ import annotations
 
@@ -16,12 +21,37 @@ from itertools import accumulate
 
 import torch
 
-from minite import nvfp4
+from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe, QuantSpec
 from minite.engines.names import is_quantized, param_kind
 
 #: payload forms (``{"form": ..., "tensors": ...}``, see ``minite.engines.sync``)
 FORMS = ("bf16", "nvfp4_codes")
+#: ModelOpt / vLLM: input_scale = amax / (6 * 448)
+FP4_E4M3_RANGE = 6.0 * 448.0
+
+
+def static_scale(amax: torch.Tensor | None, spec: QuantSpec, name: str) -> torch.Tensor | None:
+    """The value ``minite.engines.gemm`` takes for static scaling: vLLM's encode scale G = 1 / input_scale
+    with input_scale = amax / 2688 as the ModelOpt checkpoint stores it ("vllm"), else the amax itself."""
+    if spec.scaling != "static":
+        return None
+    if amax is None:
+        raise RuntimeError(f"{name}: static activation scaling needs calibration; call sampler.calibrate(prompts)")
+    if spec.formula == "vllm":
+        input_scale = amax.to(torch.float32) / FP4_E4M3_RANGE
+        return 1.0 / input_scale
+    return amax
+
+
+def host_static_scale(amax: torch.Tensor | None, spec: QuantSpec | None) -> float | None:
+    """``static_scale`` as a host number (the same fp32 value, computed where amax lives; one device read):
+    what a decode step passes to the quantizer, so the step reads nothing back from the device. None when
+    the scaling is not static or the linear is not calibrated yet (the step then raises ``static_scale``'s
+    error)."""
+    if spec is None or spec.scaling != "static" or amax is None:
+        return None
+    return float(static_scale(amax, spec, ""))
 
 
 # ------------------------------------------------------------------------------------------------ linears
@@ -35,10 +65,16 @@ class Lin:
     amax: torch.Tensor | None = None          # static activation amax (fp32 scalar), set by calibration
     params: tuple[str, ...] = ()
     rows: tuple[int, ...] = ()
+    act_scale: float | None = None            # static_scale(amax) as a host number (``prepare``)
+    deq: torch.Tensor | None = None           # BF16 dequantized weight for the emulated GEMM (``prepare``)
 
     @property
     def quantized(self) -> bool:
         return self.q is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.q.codes, self.q.scales, self.q.global_scale] if self.quantized else [self.weight]
+        return out + ([self.deq] if self.deq is not None else [])
 
     def shards(self) -> dict[str, torch.Tensor | nvfp4.NVFP4Tensor]:
         """The weight split back into the parameters it fuses: {parameter name: its rows}."""
@@ -50,17 +86,35 @@ class Lin:
 @dataclass
 class Experts:
     """E experts: fused gate/up [E, 2I, H] and down [E, H, I], BF16 stacked or lists of NVFP4Tensors.
-    ``gate_up_amax`` / ``down_amax``: one static amax per layer (vLLM collapses per-expert input scales to
-    their max when it loads a ModelOpt MoE)."""
+    A list is stacked once on construction (``stacked[part]``: an ``NVFP4Experts``, what the grouped GEMM
+    reads) and becomes views into the stack. ``gate_up_amax`` / ``down_amax``: one static amax per layer
+    (vLLM collapses per-expert input scales to their max when it loads a ModelOpt MoE)."""
     name: str
     gate_up: torch.Tensor | list
     down: torch.Tensor | list
     gate_up_amax: torch.Tensor | None = None
     down_amax: torch.Tensor | None = None
+    act_scale: dict = field(default_factory=dict)  # part -> static_scale(amax) as a host number (``prepare``)
+    stacked: dict = field(default_factory=dict)    # part -> NVFP4Experts (NVFP4 experts only)
+
+    def __post_init__(self):
+        if self.quantized:
+            for part in ("gate_up", "down"):
+                ex = kernels.stack_experts(getattr(self, part))
+                self.stacked[part] = ex
+                g = ex.global_scale
+                setattr(self, part, [nvfp4.NVFP4Tensor(ex.codes[e], ex.scales[e], g[e]) for e in range(len(g))])
 
     @property
     def quantized(self) -> bool:
         return isinstance(self.gate_up, list)
+
+    def tensors(self) -> list[torch.Tensor]:
+        if not self.quantized:
+            return [self.gate_up, self.down]
+        out = [t for part in ("gate_up", "down") for t in (self.stacked[part].codes, self.stacked[part].scales,
+                                                            self.stacked[part].global_scale)]
+        return out + [self.__dict__["_deq"][p] for p in ("gate_up", "down") if p in self.__dict__.get("_deq", {})]
 
     @property
     def num_experts(self) -> int:
@@ -106,6 +160,54 @@ class SamplerWeights:
         for lw in self.layers:
             out += [x for x in (lw.qkv, lw.o, lw.router, lw.gate_up, lw.down) if x is not None]
         return out + [self.lm_head]
+
+    def experts(self) -> list[Experts]:
+        return [lw.experts for lw in self.layers if lw.experts is not None]
+
+    # ------------------------------------------------------------------------------------ decode forms
+    def prepare(self, recipe: EngineRecipe) -> None:
+        """The forms a decode step reads, made here (after a sync or a calibration), not inside the step:
+        for the emulated GEMM path the BF16 dequantized weights (the values it multiplies by, so caching
+        changes no bit), and static activation scales as host numbers."""
+        emulated, act = recipe.gemm == "emulated", recipe.activations
+        for lin in self.linears():
+            if lin.quantized:
+                lin.act_scale = host_static_scale(lin.amax, act)
+                lin.deq = nvfp4.dequantize(lin.q).to(torch.bfloat16) if emulated else None
+        for ex in self.experts():
+            if ex.quantized:
+                ex.act_scale = {p: host_static_scale(getattr(ex, f"{p}_amax"), act) for p in ("gate_up", "down")}
+                if emulated:
+                    ex.dequantized("gate_up"), ex.dequantized("down")
+
+    def act_scales(self) -> list:
+        """Every static activation scale a decode step bakes in (a change means new CUDA graphs)."""
+        return [lin.act_scale for lin in self.linears()] + [sorted(ex.act_scale.items()) for ex in self.experts()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a forward reads, in a fixed order (``copy_``)."""
+        out = [self.embed, self.norm, *self.lm_head.tensors()]
+        for lw in self.layers:
+            out += [lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm]
+            for part in (lw.qkv, lw.o, lw.router, lw.gate_up, lw.down, lw.experts):
+                if part is not None:
+                    out += part.tensors()
+        return out
+
+    def copy_(self, other: SamplerWeights) -> bool:
+        """Copy ``other``'s values into these tensors in place (same layout: shapes, dtypes, static scales);
+        returns False and changes nothing when the layouts differ."""
+        mine, theirs = self.tensors(), other.tensors()
+        if len(mine) != len(theirs) or self.act_scales() != other.act_scales() or any(
+                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in zip(mine, theirs)):
+            return False
+        for a, b in zip(mine, theirs):
+            a.copy_(b)
+        for lin, src in zip(self.linears(), other.linears()):
+            lin.amax = src.amax
+        for ex, src in zip(self.experts(), other.experts()):
+            ex.gate_up_amax, ex.down_amax = src.gate_up_amax, src.down_amax
+        return True
 
     def amax_dict(self) -> dict[str, torch.Tensor]:
         d = {lin.name: lin.amax for lin in self.linears() if lin.quantized and lin.amax is not None}
@@ -199,7 +301,7 @@ class _Builder:
         v = self.get(name)
         if isinstance(v, nvfp4.NVFP4Tensor):
             raise ValueError(f"{name}: expected a BF16 tensor (a norm / embedding), got NVFP4 codes")
-        return v.detach().to(self.device, torch.bfloat16)
+        return v.detach().to(self.device, torch.bfloat16, copy=True)
 
     def lin(self, lin_name: str, params: list[str]) -> Lin:
         """One linear fusing the rows of ``params`` (one kind of module, e.g. q/k/v)."""
@@ -213,7 +315,7 @@ class _Builder:
                 raise ValueError(f"{lin_name}: the payload ships NVFP4 codes but arm.sampler keeps {kind} in "
                                  "high precision (both engines must keep the same modules in BF16)")
             return Lin(lin_name, q=cat_rows([v.to(self.device) for v in vals]), **fused)
-        ws = [v.detach().to(self.device, torch.bfloat16) for v in vals]
+        ws = [v.detach().to(self.device, torch.bfloat16, copy=True) for v in vals]  # never the caller's
         if not want_q:
             return Lin(lin_name, weight=torch.cat(ws) if len(ws) > 1 else ws[0], **fused)
         if self.form == "nvfp4_codes":
@@ -228,9 +330,10 @@ class _Builder:
             if not want_q:
                 raise ValueError(f"{p}: payload ships NVFP4 experts but arm.sampler keeps experts in BF16")
             return Experts(p, [g.to(self.device) for g in gu], [d.to(self.device) for d in dn])
-        gu, dn = gu.detach().to(self.device, torch.bfloat16), dn.detach().to(self.device, torch.bfloat16)
+        gu = gu.detach().to(self.device, torch.bfloat16, copy=True).contiguous()
+        dn = dn.detach().to(self.device, torch.bfloat16, copy=True).contiguous()
         if not want_q:
-            return Experts(p, gu.contiguous(), dn.contiguous())
+            return Experts(p, gu, dn)
         if self.form == "nvfp4_codes":
             raise ValueError(f"{p}: codes payload has BF16 experts where arm.sampler quantizes them")
         spec = self.recipe.weights
