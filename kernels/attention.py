@@ -100,7 +100,7 @@ def decode_attention_reference(q, k_cache, v_cache, slot_ids, seq_lens, scaling:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _check_decode(q, k_cache, v_cache, slot_ids, seq_lens, numerics):
+def _check_decode(q, k_cache, v_cache, slot_ids, seq_lens, numerics, check_values=True):
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -116,9 +116,11 @@ def _check_decode(q, k_cache, v_cache, slot_ids, seq_lens, numerics):
             raise ValueError(f"{name} must be an int32 [B={b}] tensor, got {t.dtype} {tuple(t.shape)}")
     if len({q.device, k_cache.device, v_cache.device, slot_ids.device, seq_lens.device}) != 1:
         raise ValueError("q, caches, slot_ids and seq_lens must be on one device")
-    # cheap on CPU; on the GPU a check would be a host sync inside the step
-    if q.device.type == "cpu" and b and (int(seq_lens.min()) < 1 or int(seq_lens.max()) > k_cache.shape[2]
-                                         or int(slot_ids.min()) < 0 or int(slot_ids.max()) >= k_cache.shape[0]):
+    # cheap on CPU (callers whose step must read nothing back pass check_values=False); never on the GPU,
+    # where it would be a host sync inside the step
+    if check_values and q.device.type == "cpu" and b and (
+            int(seq_lens.min()) < 1 or int(seq_lens.max()) > k_cache.shape[2]
+            or int(slot_ids.min()) < 0 or int(slot_ids.max()) >= k_cache.shape[0]):
         raise ValueError(f"seq_lens must be in [1, {k_cache.shape[2]}] and slot_ids in [0, {k_cache.shape[0]})")
 
 
@@ -136,9 +138,10 @@ def default_splits(batch: int, kv_heads: int, max_len: int, device: torch.device
 # ---------------------------------------------------------------------------------------------- decode
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      seq_lens: torch.Tensor, scaling: float, numerics: str = "fast", splits: int | None = None,
-                     backend: str | None = None) -> torch.Tensor:
-    """See the module docstring. Returns [B, Hq, D] in q's dtype."""
-    _check_decode(q, k_cache, v_cache, slot_ids, seq_lens, numerics)
+                     backend: str | None = None, check_values: bool = True) -> torch.Tensor:
+    """See the module docstring. Returns [B, Hq, D] in q's dtype. ``check_values``: range-check slot_ids /
+    seq_lens on CPU (a read back to the host; the GPU path never does)."""
+    _check_decode(q, k_cache, v_cache, slot_ids, seq_lens, numerics, check_values)
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
     if _backend.resolve(backend, q.device) == "torch":

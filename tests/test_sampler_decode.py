@@ -153,10 +153,10 @@ def test_weights_update_in_place(tiny):
     other = build_sampler_weights(payload_from_hf_model(tiny_hf_model(seed=2)[1], arm), arm.sampler, s.config)
     other.prepare(arm.sampler)
     ptrs = [t.data_ptr() for t in w.tensors()]
-    assert not all(torch.equal(a, b) for a, b in zip(w.tensors(), other.tensors()))
+    assert not all(torch.equal(a, b) for a, b in zip(w.tensors(), other.tensors(), strict=True))
     assert w.copy_(other)
     assert [t.data_ptr() for t in w.tensors()] == ptrs
-    assert all(torch.equal(a, b) for a, b in zip(w.tensors(), other.tensors()))
+    assert all(torch.equal(a, b) for a, b in zip(w.tensors(), other.tensors(), strict=True))
     ex = w.layers[0].experts
     assert ex.gate_up[3].codes.data_ptr() == ex.stacked["gate_up"].codes[3].data_ptr()  # lists are views
     bf16 = build_sampler_weights(payload_from_hf_model(model, load_arm("bf16")), load_arm("bf16").sampler,

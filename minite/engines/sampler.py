@@ -365,7 +365,7 @@ class Sampler:
         mask = torch.zeros((b, width), dtype=torch.long)
         out_lp = torch.zeros((b, width), dtype=torch.float32)
         texts = [] if self.tokenizer is not None else None
-        for i, (p, (pl, n)) in enumerate(zip(prompts, spans)):
+        for i, (p, (pl, n)) in enumerate(zip(prompts, spans, strict=True)):
             tokens[i, :pl] = torch.as_tensor(p)
             tokens[i, pl:pl + n] = table[i, pl:pl + n]
             mask[i, pl:pl + n] = 1

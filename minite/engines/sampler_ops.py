@@ -24,7 +24,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe
@@ -258,27 +257,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One new query per sequence against its cache row. q [B, Hq, D]; k_cache / v_cache [slots, Hkv, S, D]
     (one layer of the KV cache); slot_ids [B] int32: the sequence's cache row; seq_lens [B] int32 (>= 1):
     keys 0 .. seq_len - 1 are attended. Returns [B, Hq, D] in q's dtype. ``numerics``: "fast" (the sdpa
-    arms: BF16 SDPA, as their prefill) or "invariant" (float64 throughout: the bits of
-    ``invariant_attention``, whose argument holds for any key count).
-
-    This is the torch reference: it gathers the sequences' cache rows over all S positions (static shapes)
-    and masks the keys past seq_len; GQA runs grouped (SDPA's enable_gqa; in float64 a matmul over views:
-    query heads h*rep .. h*rep + rep - 1 share key/value head h), never a per-query-head copy of the cache."""
+    arms: bf16 dots, fp32 softmax) or "invariant" (float64 throughout: the bits of ``invariant_attention``
+    at that position). ``minite.kernels.decode_attention``: the Triton kernel on CUDA (GQA without copies
+    of the cache, no host sync, fixed grid per batch size), its PyTorch reference on CPU."""
     if numerics not in ATTENTION_NUMERICS:
         raise ValueError(f"attention numerics {numerics!r}: expected one of {ATTENTION_NUMERICS}")
-    b, hq, d = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    keys, vals = k_cache[slot_ids], v_cache[slot_ids]                                  # [B, Hkv, S, D]
-    keep = torch.arange(s, device=q.device)[None, None, None, :] < seq_lens[:, None, None, None]
-    if numerics == "fast":  # the prefill's SDPA family; cuDNN left out (it rebuilds per shape; capture)
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=keep, scale=scaling,
-                                               enable_gqa=True)
-        return o[:, :, 0]
-    keys, vals = keys.to(torch.float64), vals.to(torch.float64)
-    scores = torch.matmul(q.to(torch.float64).view(b, hkv, hq // hkv, d), keys.transpose(-1, -2)) * scaling
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)          # [B, Hkv, rep, S]
-    return torch.matmul(probs, vals).to(q.dtype).view(b, hq, d)
+    # the step's rows and lengths are the sampler's own (in range by construction): no read back to check them
+    return kernels.decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scaling, numerics=numerics,
+                                    check_values=False)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

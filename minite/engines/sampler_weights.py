@@ -199,13 +199,14 @@ class SamplerWeights:
         returns False and changes nothing when the layouts differ."""
         mine, theirs = self.tensors(), other.tensors()
         if len(mine) != len(theirs) or self.act_scales() != other.act_scales() or any(
-                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device for a, b in zip(mine, theirs)):
+                a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                for a, b in zip(mine, theirs, strict=True)):
             return False
-        for a, b in zip(mine, theirs):
+        for a, b in zip(mine, theirs, strict=True):
             a.copy_(b)
-        for lin, src in zip(self.linears(), other.linears()):
+        for lin, src in zip(self.linears(), other.linears(), strict=True):
             lin.amax = src.amax
-        for ex, src in zip(self.experts(), other.experts()):
+        for ex, src in zip(self.experts(), other.experts(), strict=True):
             ex.gate_up_amax, ex.down_amax = src.gate_up_amax, src.down_amax
         return True
 

@@ -17,13 +17,17 @@ roofline. Writes one JSON atomically, with provenance.
 """
 from __future__ import annotations
 
+import logging
 import statistics
-import sys
 import time
 from collections import Counter
 from itertools import pairwise
 
 import torch
+
+from minite.jobs import common
+
+log = logging.getLogger(__name__)
 
 NOTE = ("Random-init weights (seeded) unless --checkpoint: throughput does not depend on the values, but the "
         "routing of a random-init model is close to uniform, so the experts touched per step (and the bytes "
@@ -31,52 +35,37 @@ NOTE = ("Random-init weights (seeded) unless --checkpoint: throughput does not d
 
 
 def add_args(p) -> None:
-    p.add_argument("--arm", required=True, help="bf16 | naive_te_nvfp4 | minite_nvfp4 (or an arm YAML)")
-    p.add_argument("--model", default="tiny", help="tiny | small | qwen3_30b_a3b (or a model YAML)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (full-width depth slice)")
+    common.add_arm(p)
+    common.add_model(p)
     p.add_argument("--batch", type=int, default=8, help="sequences generated together")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per (random) prompt")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--eager", action="store_true", help="run the decode steps without CUDA graphs")
-    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", default=None, help="local HF checkpoint dir (default: random init)")
-    p.add_argument("--out", required=True, help="output JSON path")
-
-
-def _fail(msg: str) -> int:
-    print(f"bench-sampler: error: {msg}", file=sys.stderr)
-    return 2
+    common.add_device(p)
+    common.add_seed(p)
+    common.add_checkpoint(p, help="local HF checkpoint dir or SFT directory (default: a seeded random init)")
+    common.add_out(p, help="output JSON path")
 
 
 def run(args) -> int:
-    from minite.engines.arms import ArmError, load_arm
-    from minite.engines.models import ModelConfigError, load_model_config
+    from minite.engines.arms import load_arm
     from minite.provenance import write_json
 
-    try:
-        arm = load_arm(args.arm)
-        cfg = load_model_config(args.model, num_layers=args.layers)
-    except (ArmError, ModelConfigError) as e:
-        return _fail(str(e))
+    arm, cfg = load_arm(args.arm), common.model_of(args)
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
-        return _fail("--batch and --prompt-len must be >= 1 and --new-tokens >= 2 (one decode step at least)")
+        raise ValueError("--batch and --prompt-len must be >= 1 and --new-tokens >= 2 (one decode step at least)")
     if args.prompt_len + args.new_tokens > cfg["max_position_embeddings"]:
-        return _fail(f"--prompt-len + --new-tokens > max_position_embeddings {cfg['max_position_embeddings']}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return _fail("--device cuda but no CUDA GPU is available")
-    try:
-        sampler = build_sampler(arm, cfg, device, args.seed, args.checkpoint, args.batch,
-                                args.prompt_len + args.new_tokens, cuda_graphs=not args.eager)
-    except (ValueError, ModelConfigError) as e:
-        return _fail(str(e))
+        raise ValueError(f"--prompt-len + --new-tokens > max_position_embeddings {cfg['max_position_embeddings']}")
+    device = common.device_of(args)
+    sampler = build_sampler(arm, cfg, device, args.seed, args.checkpoint, args.batch,
+                            args.prompt_len + args.new_tokens, cuda_graphs=not args.eager)
     out = measure(sampler, args.batch, args.prompt_len, args.new_tokens, args.seed)
     out["weights"] = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random init (seed {args.seed})"
     write_json(args.out, out)
-    print(f"{arm.name} {cfg['name']} x{cfg['num_hidden_layers']} layers, batch {args.batch} on {out['device']} "
-          f"({'graphs' if out['cuda_graphs'] else 'eager'}): {out['decode_tokens_per_s']:.0f} tokens/s, "
-          f"{out['step_ms']['median']:.3f} ms/step, {100 * out['roofline_frac']:.1f}% of roofline -> {args.out}")
+    log.info("%s %s x%d layers, batch %d on %s (%s): %.0f tokens/s, %.3f ms/step, %.1f%% of roofline -> %s",
+             arm.name, cfg["name"], cfg["num_hidden_layers"], args.batch, out["device"],
+             "graphs" if out["cuda_graphs"] else "eager", out["decode_tokens_per_s"], out["step_ms"]["median"],
+             100 * out["roofline_frac"], args.out)
     return 0
 
 
