@@ -18,7 +18,6 @@ from minite.diagnostics.attribution import (
 )
 from minite.engines.arms import load_arm
 
-
 BLANKET = load_arm("naive_te_nvfp4_blanket")
 
 

@@ -41,5 +41,5 @@ def task_for_model(task_cfg: dict | None, model_cfg: dict, seed: int = 0):
     return build_task(task_cfg, seed=seed, tokenizer=None if char else load_hf_tokenizer(model_cfg["tokenizer"]))
 
 
-__all__ = ["ArithmeticTask", "LongArithmeticTask", "MathTask", "Problem", "RandomPrompts", "Task", "TaskError", "build_task",
-           "load_hf_tokenizer", "sft_batch", "task_for_model"]
+__all__ = ["ArithmeticTask", "LongArithmeticTask", "MathTask", "Problem", "RandomPrompts", "Task", "TaskError",
+           "build_task", "load_hf_tokenizer", "sft_batch", "task_for_model"]

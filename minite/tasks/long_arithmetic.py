@@ -117,7 +117,8 @@ class LongArithmeticTask(Task):
             raise TaskError(f"heldout_frac must be in (0, 1), got {heldout_frac!r}")
         self.op, self.digits, self.digits_b = op, digits, digits_b
         self.seed, self.split_seed = int(seed), int(split_seed)
-        self.heldout_frac, self.n_heldout, self.partial_credit = float(heldout_frac), int(n_heldout), bool(partial_credit)
+        self.heldout_frac, self.n_heldout = float(heldout_frac), int(n_heldout)
+        self.partial_credit = bool(partial_credit)
         self.tokenizer = CharTokenizer()
         self._key = f"minite-longarith-{self.split_seed}".encode()
         self._heldout: list[Problem] | None = None
