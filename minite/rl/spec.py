@@ -98,8 +98,9 @@ def stored_path(path: str | Path) -> str:
 
 
 def resolve_stored_path(path: str | Path) -> Path:
-    """A path read back from results: a relative one against the repository when it exists there."""
+    """A path read back from results: a relative one as it is when it exists from the working directory (where
+    a job stored it from outside the repository), else against the repository when it exists there."""
     p = Path(path)
-    if not p.is_absolute() and (REPO_ROOT / p).exists():
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
         return REPO_ROOT / p
     return p
