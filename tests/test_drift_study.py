@@ -223,4 +223,3 @@ def test_rl_on_the_second_gpu_keeps_the_aligned_arm_exact(tmp_path):
                  str(tmp_path / "run"), *common]) == 0
     lines = [json.loads(x) for x in (tmp_path / "run" / "stability.jsonl").read_text().splitlines()]
     assert all(r["k3"] == 0.0 and r["router_disagree"] == 0.0 for r in lines)
-    assert "H200" in json.loads((tmp_path / "run" / "run.json").read_text())["provenance"]["device"] or True
