@@ -53,6 +53,11 @@ PY
 }
 
 SMK="python3 -m snakemake --profile workflow/profiles/drift"
+# GPU memory and utilisation every 30 s while a stage runs (how many runs fit on one GPU: $OUT/gpu_<stage>.csv)
+nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total,utilization.gpu --format=csv -l 30 \
+  > "$OUT/gpu_${1:-study}.csv" 2>/dev/null &
+SMI=$!
+trap 'kill $SMI 2>/dev/null' EXIT
 case "${1:-study}" in
   calibrate)
     calib() {  # calib DEVICE DIR FLAGS...
