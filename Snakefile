@@ -2,6 +2,7 @@
 #   snakemake --cores all throughput_table                        # cpu profile (embedded tiny model)
 #   snakemake --profile workflow/profiles/h200 throughput_table   # one H200
 #   snakemake --cores all --config arms=[minite_nvfp4] stability  # one arm
+#   snakemake --profile workflow/profiles/drift drift_study       # the drift study (two H200s)
 # Rules live in workflow/rules/; the config of each profile in workflow/profiles/<profile>/pipeline.yaml,
 # validated by workflow/schemas/config.schema.yaml.
 from snakemake.utils import min_version
@@ -15,6 +16,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/targets.smk"
 include: "workflow/rules/learner.smk"
 include: "workflow/rules/rl.smk"
+include: "workflow/rules/drift.smk"
 include: "workflow/rules/diagnostics.smk"
 include: "workflow/rules/kernels.smk"
 include: "workflow/rules/figures.smk"

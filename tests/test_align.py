@@ -15,7 +15,7 @@ def test_contract_of_the_aligned_arm_is_itself():
 
 @pytest.mark.parametrize("arm, why", [
     (lambda: load_arm("bf16"), "BF16"),
-    (lambda: load_arm("naive_te_nvfp4"), "high-precision"),
+    (lambda: load_arm("naive_te_nvfp4_blanket"), "high-precision"),
     (lambda: load_arm("minite_nvfp4").override({"trainer.gemm": "te"}, name="te_arm"), "Transformer Engine"),
 ])
 def test_unalignable_arms_are_refused(arm, why):
@@ -25,7 +25,7 @@ def test_unalignable_arms_are_refused(arm, why):
 
 
 def test_naive_with_equal_exceptions_becomes_the_contract():
-    naive = load_arm("naive_te_nvfp4").override(
+    naive = load_arm("naive_te_nvfp4_blanket").override(
         {"trainer.high_precision": ["embed_tokens", "router", "lm_head"]}, name="naive_hp")
     c = contract_arm(naive)
     assert c.sync == "nvfp4_codes" and c.sampler.weights == "from_trainer"

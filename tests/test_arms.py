@@ -16,12 +16,28 @@ def test_three_arms_load_with_their_contracts():
     assert naive.trainer.weights == QuantSpec("te", (16, 16), "tensor", "per_shard")
     assert naive.sampler.weights.formula == "modelopt" and naive.sampler.weights.fused_shards == "shared"
     assert naive.sampler.activations.scaling == "static" and naive.sampler.activations.formula == "vllm"
-    assert "router" not in naive.trainer.high_precision and "router" in naive.sampler.high_precision
+    # the Megatron-core deployment: the router stays BF16 in both engines; the blanket te.Linear swap
+    # quantizes it in the trainer
+    assert "router" in naive.trainer.high_precision and "router" in naive.sampler.high_precision
+    blanket = arms["naive_te_nvfp4_blanket"]
+    assert "router" not in blanket.trainer.high_precision and "router" in blanket.sampler.high_precision
+    assert (blanket.sync, blanket.sampler) == (naive.sync, naive.sampler)
+    tis = arms["naive_te_nvfp4_tis"]
+    assert tis.rl == {"tis_cap": 2.0} and naive.rl == {} and arms["bf16"].rl == {}
+    assert (tis.sync, tis.trainer, tis.sampler) == (naive.sync, naive.trainer, naive.sampler)
     aligned = arms["minite_nvfp4"]
     assert aligned.sync == "nvfp4_codes" and aligned.sampler.weights == "from_trainer"
     assert aligned.trainer.activations == aligned.sampler.activations
     assert aligned.trainer.gemm == aligned.sampler.gemm == "kernel"
     assert aligned.trainer.hp_gemm == aligned.sampler.hp_gemm == "invariant"
+
+
+def test_arm_rl_block_takes_only_the_mismatch_correction(tmp_path):
+    raw = load_arm("naive_te_nvfp4_tis").raw
+    with pytest.raises(ArmError, match="Additional properties"):
+        load_arm(_write(tmp_path, {**raw, "rl": {"tis_cap": 2.0, "lr": 1e-3}}))
+    with pytest.raises(ArmError, match="tis_cap"):
+        load_arm(_write(tmp_path, {**raw, "rl": {"tis_cap": 0}}))
 
 
 def test_unknown_arm_lists_known_ones():

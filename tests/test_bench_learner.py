@@ -9,19 +9,22 @@ KEYS = {"tokens_per_s", "step_ms", "step_split_ms", "peak_mem_gb", "telemetry", 
         "device", "sha", "command", "date", "note", "tokens_per_update"}
 
 
-def test_bench_learner_writes_json(tmp_path):
+# weights quantized per update (one forward): 2 layers x (q/k/v/o + 2 expert tensors), + the router per layer
+# for the blanket te.Linear swap (the naive arm keeps it BF16, as Megatron-core does)
+@pytest.mark.parametrize("arm, quantized", [("naive_te_nvfp4", 12), ("naive_te_nvfp4_blanket", 14)])
+def test_bench_learner_writes_json(tmp_path, arm, quantized):
     out = tmp_path / "learner.json"
-    rc = main(["bench-learner", "--arm", "naive_te_nvfp4", "--model", "tiny", "--steps", "2", "--warmup", "0",
+    rc = main(["bench-learner", "--arm", arm, "--model", "tiny", "--steps", "2", "--warmup", "0",
                "--tokens-per-update", "64", "--seq-len", "32", "--device", "cpu", "--out", str(out)])
     assert rc == 0
     d = json.loads(out.read_text())
     assert KEYS <= set(d)
-    assert d["arm"] == "naive_te_nvfp4" and d["model"] == "tiny" and d["layers"] == 2
+    assert d["arm"] == arm and d["model"] == "tiny" and d["layers"] == 2
     assert d["tokens_per_update"] == 64 and len(d["step_ms_all"]) == 2
     assert d["tokens_per_s"] == pytest.approx(64 / (d["step_ms"] / 1e3))
     assert d["step_split_ms"]["optimizer"] > 0 and d["peak_mem_gb"] > 0
     assert d["telemetry"]["note"] and "Hopper" in d["note"]
-    assert d["weight_quantizations_per_update"] == 14                 # re-quantized every forward
+    assert d["weight_quantizations_per_update"] == quantized          # re-quantized every forward
 
 
 def test_bench_learner_profile_csv(tmp_path):

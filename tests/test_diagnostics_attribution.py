@@ -1,11 +1,14 @@
 """Attribution bookkeeping: every cause subset is a valid arm, the full set is minite_nvfp4, and each
-order's steps sum to the total gap (on synthetic metric functions: no engines needed)."""
+order's steps sum to the total gap (on synthetic metric functions: no engines needed). The five-cause
+bookkeeping runs from the blanket variant (its trainer quantizes the router: every cause is a difference);
+the default naive arm (Megatron-core deployment, BF16 router) has four."""
 import itertools
 
 import pytest
 
 from minite.diagnostics.attribution import (
     CAUSES,
+    active_causes,
     all_causes_arm,
     attribute,
     same_recipe,
@@ -15,23 +18,40 @@ from minite.diagnostics.attribution import (
 )
 from minite.engines.arms import load_arm
 
+BLANKET = load_arm("naive_te_nvfp4_blanket")
+
 
 def test_every_subset_is_a_valid_arm_and_ends_at_minite():
     seen = set()
     for r in range(len(CAUSES) + 1):
         for s in itertools.combinations(CAUSES, r):
-            arm = subset_arm(frozenset(s))
+            arm = subset_arm(frozenset(s), BLANKET)
             seen.add((arm.sync, arm.trainer, arm.sampler))
     assert len(seen) == 32  # every cause changes something, in every context
-    assert same_recipe(all_causes_arm(), load_arm("minite_nvfp4"))
-    assert same_recipe(subset_arm(frozenset()), load_arm("naive_te_nvfp4"))
+    assert same_recipe(all_causes_arm(BLANKET), load_arm("minite_nvfp4"))
+    assert same_recipe(subset_arm(frozenset(), BLANKET), BLANKET)
 
 
 def test_weights_cause_uses_code_sync_only_with_equal_high_precision():
-    a = subset_arm(frozenset({"weights"}))
+    a = subset_arm(frozenset({"weights"}), BLANKET)
     assert a.sync == "bf16" and a.sampler.weights == a.trainer.weights  # trainer's quantizer, re-applied
-    b = subset_arm(frozenset({"weights", "high_precision"}))
+    b = subset_arm(frozenset({"weights", "high_precision"}), BLANKET)
     assert b.sync == "nvfp4_codes" and b.sampler.weights == "from_trainer"
+
+
+def test_megatron_naive_arm_has_no_high_precision_cause():
+    """The default naive arm keeps the router BF16 in both engines: its gap has four causes (16 arms), the
+    weights cause alone is real code sync, and the four still end exactly at minite_nvfp4."""
+    naive = load_arm("naive_te_nvfp4")
+    assert active_causes(naive) == ("weights", "activations", "gemm", "non_gemm")
+    assert active_causes(BLANKET) == CAUSES
+    assert same_recipe(subset_arm(frozenset({"high_precision"}), naive), naive)
+    a = subset_arm(frozenset({"weights"}), naive)
+    assert a.sync == "nvfp4_codes" and a.sampler.weights == "from_trainer"
+    assert same_recipe(all_causes_arm(naive), load_arm("minite_nvfp4"))
+    seen = {(x.sync, x.trainer, x.sampler) for r in range(5)
+            for s in itertools.combinations(active_causes(naive), r) for x in [subset_arm(frozenset(s), naive)]}
+    assert len(seen) == 16
 
 
 def _check_sums(table, total):

@@ -7,7 +7,7 @@ from minite.rl.checkpoints import single_writer, truncate_jsonl
 from minite.rl.config import DEFAULTS, RLConfigError, load_rl_config
 
 
-@pytest.mark.parametrize("profile", ["cpu", "h200", "b300"])
+@pytest.mark.parametrize("profile", ["cpu", "h200", "b300", "drift"])
 def test_profiles_load(profile):
     cfg = load_rl_config(profile)
     assert cfg["rl"]["tis_cap"] is None and cfg["rl"]["beta"] == 0.0   # no IS correction by default

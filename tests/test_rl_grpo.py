@@ -102,3 +102,22 @@ def test_aggregations_and_denominator():
     assert total == pytest.approx(-(1 + 3) / 2)
     with pytest.raises(ValueError):
         grpo_loss(lp, b, agg="sum")
+
+
+def test_tis_weight_scales_each_token_gradient_and_carries_none():
+    """Token-level TIS (Yao et al. 2025; verl rollout_is token/truncate): each response token's policy-gradient
+    term is multiplied by w = min(exp(logp_old - logp_sampler), cap), a constant: d loss / d logp_t is w_t times
+    the uncorrected gradient, and no gradient reaches the log-probs w is computed from."""
+    lp, b = _batch(1.0, (0.5, 0.25), (0.5, 0.25))          # ratios 1, inside the clip range
+    plain = grpo_loss(lp, b, clip_low=0.2, clip_high=0.2)
+    plain.backward()
+    g_plain = lp.grad.clone()
+    lp.grad = None
+    old = b["old_logprobs"].clone().requires_grad_(True)
+    samp = torch.log(torch.tensor([[0.5, 0.1, 0.5]])).requires_grad_(True)   # w = min(5, 2) = 2, 0.5
+    corrected = grpo_loss(lp, {**b, "old_logprobs": old, "sampler_logprobs": samp}, clip_low=0.2, clip_high=0.2,
+                          tis_cap=2.0)
+    corrected.backward()
+    torch.testing.assert_close(lp.grad, g_plain * torch.tensor([[0.0, 2.0, 0.5]]))
+    assert samp.grad is None or not samp.grad.any()         # stop-gradient through the weights
+    assert corrected.item() == pytest.approx(-(2.0 + 0.5) / 2)

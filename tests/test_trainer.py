@@ -81,7 +81,10 @@ def test_minite_weight_cache_quantizes_once_per_update_and_export_ships_those_co
 
 
 def test_naive_arm_requantizes_every_forward_and_quantizes_the_router():
-    tr = Trainer("naive_te_nvfp4", "tiny", micro_batch_size=1)
+    """The blanket te.Linear swap quantizes the router; the Megatron-core deployment (the default naive arm)
+    keeps it BF16."""
+    assert _n_quantized(Trainer("naive_te_nvfp4", "tiny")) == 2 * (4 + 2)
+    tr = Trainer("naive_te_nvfp4_blanket", "tiny", micro_batch_size=1)
     n = _n_quantized(tr)
     assert n == 2 * (4 + 1 + 2)
     tr.update(_batch())
@@ -283,14 +286,14 @@ def test_te_backend_missing_is_a_clear_error():
 
 
 def test_high_precision_first_layer_stays_bf16():
-    arm = load_arm("naive_te_nvfp4").override(
+    arm = load_arm("naive_te_nvfp4_blanket").override(
         {"trainer.high_precision": ["embed_tokens", "lm_head", "first_layer"]})
     tr = Trainer(arm, "tiny")
     l0, l1 = tr.model.model.layers
     assert type(l0.self_attn.q_proj) is torch.nn.Linear and getattr(l0.mlp.experts, "minite_quant", None) is None
     assert not hasattr(l0.mlp.gate, "cache")
     assert isinstance(l1.self_attn.q_proj, Q.NVFP4Linear) and l1.mlp.experts.minite_quant is not None
-    assert hasattr(l1.mlp.gate, "cache")                            # the naive arm quantizes the router
+    assert hasattr(l1.mlp.gate, "cache")                  # the blanket naive arm quantizes the router
     assert tr.update(_batch())["loss"] > 0
 
 

@@ -1,16 +1,17 @@
-"""Attribution: how much of the naive arm's mismatch does each cause contribute?
+"""Attribution: how much of a naive arm's mismatch does each cause contribute?
 
-Start from ``naive_te_nvfp4`` and switch causes, one at a time, to their ``minite_nvfp4`` setting
-(values read from configs/arms/minite_nvfp4.yaml, so they follow the YAML):
+Start from a naive arm (``naive_te_nvfp4`` by default; any arm can be the base, e.g.
+``naive_te_nvfp4_blanket``) and switch causes, one at a time, to their ``minite_nvfp4`` setting (values
+read from configs/arms/minite_nvfp4.yaml, so they follow the YAML):
 
     weights         the sampler uses the trainer's NVFP4 weight codes instead of re-quantizing the BF16 sync
                     with ModelOpt's formula / 1x16 blocks / shared fused-shard scales. When both engines keep
                     the same high-precision modules this is the real thing: ``sync: nvfp4_codes`` +
-                    ``sampler.weights: from_trainer``. While ``high_precision`` still differs (the trainer
-                    quantizes the router, the sampler does not), the arm schema forbids code sync, so the
-                    sampler instead re-quantizes the BF16 sync with the trainer's exact weight quantizer
-                    (te formula, 16x16 tiles, per-shard scales): deterministic, hence the same codes for
-                    every module both engines quantize. Every one of the 32 subsets is a valid arm.
+                    ``sampler.weights: from_trainer``. While ``high_precision`` still differs (the blanket
+                    variant's trainer quantizes the router, the sampler does not), the arm schema forbids code
+                    sync, so the sampler instead re-quantizes the BF16 sync with the trainer's exact weight
+                    quantizer (te formula, 16x16 tiles, per-shard scales): deterministic, hence the same codes
+                    for every module both engines quantize. Every subset is a valid arm.
     activations     per-token (row) activation scaling with formula te in both engines, instead of the
                     trainer's per-tensor amax and the sampler's static calibrated vLLM scales.
     gemm            the same batch-invariant W4A4 kernel in both engines (instead of emulated BF16 GEMMs), and
@@ -19,13 +20,17 @@ Start from ``naive_te_nvfp4`` and switch causes, one at a time, to their ``minit
     non_gemm        the same non-GEMM ops (upstream transformers numerics in the sampler too) and the same
                     batch-invariant attention in both engines.
 
-With all five switched, the arm equals ``minite_nvfp4`` (checked: ``all_causes_arm``).
+The causes attributed are those that change the base arm (``active_causes``): the default naive arm is
+deployed as Megatron-core deploys TE (router BF16 outside TE, as in the sampler), so it already has the
+aligned high-precision exceptions and ``high_precision`` is no cause of its gap (4 causes, 16 measured arms);
+the blanket variant quantizes the router in the trainer and has all five (32 measured arms).
+With every active cause switched, the arm equals ``minite_nvfp4`` (checked: ``all_causes_arm``).
 
 Reported for a metric v (k3 by default) of the arm with cause set S applied, v(S):
     forward   causes in the order above: delta_i = v(S_{i-1}) - v(S_i)
     reverse   the opposite order
     shapley   phi_i = sum over S not containing i of |S|! (n-|S|-1)! / n! * (v(S) - v(S + i)): the average
-              of the forward deltas over all n! orders; exact from the 2**n subset values (n = 5: 32 arms).
+              of the forward deltas over all n! orders; exact from the 2**n subset values.
 Each order's deltas sum to v(naive) - v(aligned) by construction (telescoping; Shapley efficiency);
 ``share`` = delta / (v(naive) - v(aligned)). A negative delta means that switching the cause alone (in
 that order) *increased* the mismatch — interactions are real, which is why all three views are reported.
@@ -51,16 +56,22 @@ CAUSES = ("weights", "activations", "gemm", "high_precision", "non_gemm")
 ATTRIBUTION_COLUMNS = ["cause", "order", "k3_before", "k3_after", "delta", "share"]
 
 
-def cause_overrides(causes: frozenset[str] | set[str], aligned: Arm | None = None) -> dict:
+NAIVE = "naive_te_nvfp4"   # the default base arm
+
+
+def cause_overrides(causes: frozenset[str] | set[str], aligned: Arm | None = None, naive: Arm | None = None) -> dict:
     """The ``Arm.override`` changes that switch ``causes`` of the naive arm to the aligned setting."""
     unknown = set(causes) - set(CAUSES)
     if unknown:
         raise ValueError(f"unknown causes {sorted(unknown)}; known: {', '.join(CAUSES)}")
     a = (aligned or _arm("minite_nvfp4")).raw
+    n = naive or _arm(NAIVE)
     ch: dict = {}
     if "weights" in causes:
         ch["trainer.weights"] = a["trainer"]["weights"]
-        if "high_precision" in causes:
+        hp = (a["trainer"]["high_precision"], a["sampler"]["high_precision"]) if "high_precision" in causes \
+            else (n.trainer.high_precision, n.sampler.high_precision)
+        if set(hp[0]) == set(hp[1]):
             ch.update({"sync": "nvfp4_codes", "sampler.weights": "from_trainer"})
         else:  # code sync needs equal high-precision sets: re-quantize with the trainer's quantizer instead
             ch["sampler.weights"] = a["trainer"]["weights"]
@@ -87,10 +98,10 @@ def subset_name(causes) -> str:
 
 def subset_arm(causes, naive: Arm | None = None, aligned: Arm | None = None) -> Arm:
     """The naive arm with ``causes`` switched to the aligned setting (a valid, re-validated Arm)."""
-    naive = naive or _arm("naive_te_nvfp4")
+    naive = naive or _arm(NAIVE)
     if not causes:
         return naive
-    return naive.override(cause_overrides(frozenset(causes), aligned), name=subset_name(causes))
+    return naive.override(cause_overrides(frozenset(causes), aligned, naive), name=subset_name(causes))
 
 
 def same_recipe(a: Arm, b: Arm) -> bool:
@@ -98,10 +109,16 @@ def same_recipe(a: Arm, b: Arm) -> bool:
     return a.sync == b.sync and a.trainer == b.trainer and a.sampler == b.sampler
 
 
-def all_causes_arm() -> Arm:
-    arm = subset_arm(frozenset(CAUSES))
+def active_causes(naive: Arm | None = None, aligned: Arm | None = None) -> tuple[str, ...]:
+    """The causes (in ``CAUSES`` order) whose switch alone changes the base arm: the ones its gap can have."""
+    naive = naive or _arm(NAIVE)
+    return tuple(c for c in CAUSES if not same_recipe(subset_arm(frozenset({c}), naive, aligned), naive))
+
+
+def all_causes_arm(naive: Arm | None = None) -> Arm:
+    arm = subset_arm(frozenset(active_causes(naive)), naive)
     if not same_recipe(arm, _arm("minite_nvfp4")):  # the attribution must end exactly at the aligned arm
-        raise AssertionError("naive + all causes != minite_nvfp4: update attribution.cause_overrides")
+        raise AssertionError(f"{arm.name}: naive + all causes != minite_nvfp4: update attribution.cause_overrides")
     return arm
 
 

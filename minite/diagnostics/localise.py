@@ -60,8 +60,9 @@ def attention_mask_for(tokens: torch.Tensor, prompt_lens, response_mask: torch.T
     return ((pos < plens) | torch.as_tensor(response_mask).bool()).long()
 
 
-def capture_trainer(trainer, tokens: torch.Tensor, attention_mask: torch.Tensor):
-    """Run ``trainer.logprobs`` once with hooks; returns ({(layer, op): tensor [B, T, ...]}, logprobs)."""
+def capture_trainer(trainer, tokens: torch.Tensor, attention_mask: torch.Tensor, ops=OPS):
+    """Run ``trainer.logprobs`` once with hooks; returns ({(layer, op): tensor [B, T, ...]}, logprobs). ``ops``
+    limits the capture (e.g. ``("topk",)``: only the routers are hooked)."""
     model = trainer.model
     layers = model.model.layers
     B, T = tokens.shape
@@ -85,11 +86,14 @@ def capture_trainer(trainer, tokens: torch.Tensor, attention_mask: torch.Tensor)
 
     k = int(model.config.num_experts_per_tok)
     for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.register_forward_hook(keep((i, "attn_out"))))
-        handles.append(layer.mlp.gate.register_forward_hook(gate_hook(i, k)))
-        handles.append(layer.mlp.register_forward_hook(keep((i, "moe_out"))))
-        handles.append(layer.register_forward_hook(keep((i, "residual"))))
-    handles.append(model.lm_head.register_forward_hook(keep((len(layers), "logits"))))
+        for op, module, hook in (("attn_out", layer.self_attn, keep((i, "attn_out"))),
+                                 ("topk", layer.mlp.gate, gate_hook(i, k)),
+                                 ("moe_out", layer.mlp, keep((i, "moe_out"))),
+                                 ("residual", layer, keep((i, "residual")))):
+            if op in ops or (op == "topk" and "router_logits" in ops):
+                handles.append(module.register_forward_hook(hook))
+    if "logits" in ops:
+        handles.append(model.lm_head.register_forward_hook(keep((len(layers), "logits"))))
     try:
         lp = trainer.logprobs(tokens, attention_mask)
     finally:
@@ -108,10 +112,12 @@ class SamplerCapture:
 
     ``positions``: [B, T] per-row positions with ``tensor`` [B, T, ...] (the sampler's form), or an int /
     a [B] tensor (one position per row, ``tensor`` [B, ...] or [B, 1, ...]), or a range of positions shared
-    by all rows with ``tensor`` [B, len, ...]. ``layer`` -1 / None for op "logits" (after the last layer)."""
+    by all rows with ``tensor`` [B, len, ...]. ``layer`` -1 / None for op "logits" (after the last layer).
+    ``ops`` limits what is kept (e.g. ``("topk",)``); calls for other ops are ignored."""
 
-    def __init__(self, batch: int, seq_len: int, num_layers: int):
+    def __init__(self, batch: int, seq_len: int, num_layers: int, ops=OPS):
         self.B, self.T, self.L = batch, seq_len, num_layers
+        self.ops = frozenset(ops)
         self.data: dict[tuple[int, str], torch.Tensor] = {}
         self.calls = defaultdict(int)
 
@@ -131,6 +137,8 @@ class SamplerCapture:
         return torch.as_tensor(list(position), dtype=torch.long).reshape(1, -1).expand(B, -1)
 
     def __call__(self, layer, op, position, tensor):
+        if op not in self.ops:
+            return
         layer = self.L if op == "logits" else int(layer)
         t = tensor.detach().cpu()
         t = t.long() if op == "topk" else t.float()

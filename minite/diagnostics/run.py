@@ -3,7 +3,8 @@
     sample(sampler, prompts, ...)         the sampler's generation (tokens + its own log-probs)
     measure(trainer, sampler, tokens...)  mismatch metrics of the pair on fixed tokens (decode-path replay)
     diagnose_arm(arm, model_cfg, task)    everything the ``diagnose`` job writes, as Python objects
-    attribution_table(model_cfg, task)    naive -> aligned cause attribution on one fixed token set
+    attribution_table(model_cfg, task)    naive -> aligned cause attribution on one fixed token set (base arm:
+                                          naive_te_nvfp4, or any other, e.g. naive_te_nvfp4_blanket)
 
 Engines come from ``minite.engines.build_engines``; prompts from the task (``minite.tasks``): its first
 held-out prompts. A sampler with static activation scales calibrates on those same prompts (the most
@@ -64,21 +65,23 @@ def diagnose_arm(arm: Arm, model_cfg: dict, task, *, device="cpu", seed=0, check
 
 
 def attribution_table(model_cfg: dict, task, *, device="cpu", seed=0, checkpoint=None, n_prompts=8,
-                      max_new_tokens=8, temperature=1.0, metric="k3", progress=True):
-    """(attribution DataFrame, per-subset metrics DataFrame). Tokens: generated once by the naive arm's
-    sampler; every one of the 32 cause subsets scores exactly those tokens (decode-path replay)."""
+                      max_new_tokens=8, temperature=1.0, metric="k3", progress=True, naive: str | Arm = A.NAIVE):
+    """(attribution DataFrame, per-subset metrics DataFrame). Tokens: generated once by the base (naive) arm's
+    sampler; every subset of its active causes (``attribution.active_causes``) scores exactly those tokens
+    (decode-path replay)."""
     prompts = task.heldout_prompts(n_prompts)
-    A.all_causes_arm()  # refuse early if naive + every cause is not minite_nvfp4
-    _, naive_sampler = _engines(load_arm("naive_te_nvfp4"), model_cfg, prompts, max_new_tokens, device, seed,
-                                checkpoint)
+    base = load_arm(naive) if isinstance(naive, str) else naive
+    A.all_causes_arm(base)  # refuse early if naive + every cause is not minite_nvfp4
+    causes = A.active_causes(base)
+    _, naive_sampler = _engines(base, model_cfg, prompts, max_new_tokens, device, seed, checkpoint)
     out = sample(naive_sampler, prompts, max_new_tokens, seed, temperature)
     tokens, plens, resp = out.tokens.cpu(), out.prompt_lens.cpu(), out.response_mask.cpu()
     rows = []
-    bar = tqdm(total=2 ** len(A.CAUSES), desc="attribution subsets", disable=not progress)
+    bar = tqdm(total=2 ** len(causes), desc="attribution subsets", disable=not progress)
 
     def v(causes: frozenset) -> float:
         t0 = time.perf_counter()
-        arm = A.subset_arm(causes)
+        arm = A.subset_arm(causes, base)
         trainer, sampler = _engines(arm, model_cfg, prompts, max_new_tokens, device, seed, checkpoint)
         m = measure(trainer, sampler, tokens, plens, resp)
         rows.append({"subset": A.subset_name(causes), **{c: c in causes for c in A.CAUSES}, **m,
@@ -87,7 +90,7 @@ def attribution_table(model_cfg: dict, task, *, device="cpu", seed=0, checkpoint
         return m[metric]
 
     try:
-        table = A.attribute(v)
+        table = A.attribute(v, causes)
     finally:
         bar.close()
     return table, pd.DataFrame(rows)

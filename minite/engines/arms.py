@@ -5,7 +5,9 @@ quantized (``QuantSpec``: formula, tile, scaling, and for fused q/k/v and gate/u
 share one global scale or keep their own), which GEMM path runs (bf16 | emulated | kernel | te), which
 attention (HF sdpa | minite's batch-invariant one), which non-GEMM numerics (hf | vllm), and which modules
 stay in high precision. ``sync`` says what travels after each update: BF16 master weights (the sampler
-quantizes them itself) or the trainer's NVFP4 codes + scales (``sampler.weights: from_trainer``).
+quantizes them itself) or the trainer's NVFP4 codes + scales (``sampler.weights: from_trainer``). An optional
+``rl:`` block fixes RL settings of the arm itself (``Arm.rl``; only ``tis_cap``: how the learner corrects
+for the engine mismatch), applied on top of the RL profile by ``minite.rl.config.with_arm_settings``.
 
 Validation is two-layered: a JSON schema (configs/schemas/arm.schema.yaml) for shape and spelling, then
 ``_check`` for combinations that cannot work. Both raise ``ArmError`` naming the file and the problem. A field
@@ -15,12 +17,14 @@ an arm leaves out takes the default of its dataclass field below (``QuantSpec``,
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minite.yamlconfig import load_yaml, validate
 
-ARMS = ("bf16", "naive_te_nvfp4", "minite_nvfp4")  # the shipped arms, in display order
+# the shipped arms, in display order: the three of the comparison, the naive arm with truncated importance
+# sampling (the correction practitioners apply), and the naive arm's blanket-swap variant (router quantized)
+ARMS = ("bf16", "naive_te_nvfp4", "minite_nvfp4", "naive_te_nvfp4_tis", "naive_te_nvfp4_blanket")
 
 
 class ArmError(ValueError):
@@ -75,6 +79,7 @@ class Arm:
     trainer: EngineRecipe
     sampler: EngineRecipe
     raw: dict | None = None            # the validated YAML, for provenance and overrides
+    rl: dict = field(default_factory=dict)   # RL settings the arm fixes (the YAML's `rl:` block, e.g. tis_cap)
 
     @property
     def needs_calibration(self) -> bool:
@@ -153,7 +158,8 @@ def _check(arm: Arm) -> None:
 def arm_from_dict(raw: dict, source: str = "<dict>") -> Arm:
     validate(raw, "arm", source, ArmError)
     arm = Arm(name=raw["name"], description=raw.get("description", ""), sync=raw["sync"],
-              trainer=_engine(raw["trainer"]), sampler=_engine(raw["sampler"]), raw=raw)
+              trainer=_engine(raw["trainer"]), sampler=_engine(raw["sampler"]), raw=raw,
+              rl=dict(raw.get("rl", {})))
     try:
         _check(arm)
     except ArmError as e:

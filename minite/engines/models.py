@@ -18,7 +18,7 @@ import torch
 
 from minite.yamlconfig import load_yaml, validate
 
-MODELS = ("tiny", "small", "qwen3_30b_a3b")  # the shipped models
+MODELS = ("tiny", "small", "moe64", "qwen3_30b_a3b")  # the shipped models
 _NOT_HF = ("name", "description", "tokenizer", "checkpoint", "rope_theta")
 
 

@@ -27,6 +27,7 @@ NOTES = {
                     "dequantized BF16 operands.",
     "bf16": "BF16 reference: HF modules, torch grouped_mm experts.",
 }
+NOTES["naive_te_nvfp4_tis"] = NOTES["naive_te_nvfp4_blanket"] = NOTES["naive_te_nvfp4"]   # the same learner
 
 
 def add_args(p) -> None:

@@ -3,7 +3,7 @@
     --arm ARM             an arm: bf16 | naive_te_nvfp4 | minite_nvfp4, or an arm YAML
     --model MODEL         tiny | small | qwen3_30b_a3b, or a model YAML
     --layers N            decoder layers kept (a full-width depth slice)
-    --device DEV          cuda | cpu (default: cuda when available)
+    --device DEV          cuda | cuda:N | cpu (default: cuda when available)
     --seed N
     --checkpoint DIR      the weights to start from: an SFT directory (python -m minite sft) or a local HF
                           checkpoint (default: the model config's checkpoint, else a seeded random init)
@@ -40,7 +40,7 @@ def add_model(p, default: str = "tiny") -> None:
 
 
 def add_device(p) -> None:
-    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cuda | cuda:N | cpu (default: cuda when available)")
 
 
 def add_seed(p) -> None:
@@ -83,6 +83,10 @@ def device_of(args) -> str:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA GPU is available")
+    if torch.device(device).index is not None:
+        # cuda:N (a pipeline placing runs on the GPUs of a machine): N becomes the current device, so every
+        # kernel launch and CUDA graph of the job is on the GPU its tensors are on
+        torch.cuda.set_device(torch.device(device))
     return device
 
 

@@ -6,8 +6,10 @@ Writes, into ``--out`` (all files only once everything is computed; each atomica
                                   minite.diagnostics.metrics), first_divergence, settings, provenance
     layers.csv                    tidy per-layer/op comparison (layer, op, metric, value)
     attribution.csv               naive -> aligned, one cause at a time (cause, order, k3_before, k3_after,
-                                  delta, share); the same table for every arm (it is about the naive gap)
-    attribution_subsets.csv       every cause subset's full metrics (the 32 measured arms)
+                                  delta, share); the same table for every arm (it is about the gap of the
+                                  base arm, --attribution-base: naive_te_nvfp4 by default)
+    attribution_subsets.csv       every cause subset's full metrics (16 measured arms from naive_te_nvfp4,
+                                  32 from naive_te_nvfp4_blanket: minite.diagnostics.attribution)
 The figures of these files (layer heatmap, attribution waterfall) are ``python -m minite.report figure ...``.
 
 Prompts: the held-out prompts of the task of ``--rl-config`` (without one: the arithmetic task for
@@ -43,8 +45,11 @@ def add_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--attribution", choices=("on", "off"), default="on",
-                   help="run the 32-arm cause attribution (off: attribution.csv is not written)")
+                   help="run the cause attribution (off: attribution.csv is not written)")
     p.add_argument("--attribution-prompts", type=int, default=8)
+    p.add_argument("--attribution-base", default="naive_te_nvfp4", metavar="ARM",
+                   help="the arm whose gap to minite_nvfp4 is attributed (default naive_te_nvfp4; "
+                        "naive_te_nvfp4_blanket adds the high-precision cause: its trainer quantizes the router)")
     p.add_argument("--attribution-from", default=None, metavar="DIR",
                    help="reuse the attribution another arm's diagnose run computed with the same model, "
                         "checkpoint, task, seed and sampling settings (it does not depend on --arm)")
@@ -66,9 +71,11 @@ def _reuse_attribution(src: Path, settings: dict, args):
     theirs = {k: rec.get("settings", {}).get(k) for k in _SAME}
     mine = {k: settings.get(k) for k in _SAME}
     prompts = rec.get("attribution_settings", {}).get("prompts")
-    if theirs != mine or prompts != args.attribution_prompts:
+    base = rec.get("attribution_settings", {}).get("base", "naive_te_nvfp4")
+    if theirs != mine or prompts != args.attribution_prompts or base != args.attribution_base:
         raise ValueError(f"--attribution-from {src}: computed with other settings ({theirs}, prompts "
-                         f"{prompts}) than this run ({mine}, prompts {args.attribution_prompts})")
+                         f"{prompts}, base {base}) than this run ({mine}, prompts {args.attribution_prompts}, "
+                         f"base {args.attribution_base})")
     return attr, subsets, {"dir": stored_path(src), "provenance": rec.get("provenance")}
 
 
@@ -110,6 +117,7 @@ def run(args) -> int:
     elif args.attribution == "on":
         attr, subsets = attribution_table(model_cfg, task, device=device, seed=args.seed, checkpoint=ckpt,
                                           n_prompts=args.attribution_prompts, max_new_tokens=args.max_new_tokens,
+                                          naive=args.attribution_base,
                                           temperature=args.temperature)
         log.info("top causes of the naive gap (Shapley share of k3): %s",
                  ", ".join(f"{c} {100 * s:.1f}%" for c, s in top_causes(attr)))
@@ -122,7 +130,7 @@ def run(args) -> int:
     if attr is not None:
         record["attribution_top_causes"] = [{"cause": c, "share": s} for c, s in top_causes(attr)]
         record["attribution_settings"] = {"prompts": args.attribution_prompts, "tokens": "naive sampler",
-                                          "metric": "k3"}
+                                          "metric": "k3", "base": args.attribution_base}
         if reused is not None:
             record["attribution_source"] = reused
     # tables first, the json last: a crash leaves no mismatch.json that names files of another run

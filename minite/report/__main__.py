@@ -2,7 +2,9 @@
 
     python -m minite.report table  --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4
     python -m minite.report figure throughput --results results/cpu --arms ... --out results/cpu/figures/throughput
-    python -m minite.report figure {drift,reward,kernels,layers,attribution} ...
+    python -m minite.report figure {drift,reward,kernels,layers,attribution,study} ...
+    python -m minite.report results-table --results results/drift --arms bf16 bf16_seed1 naive_te_nvfp4 ...
+(--arms: run directories, an arm or <arm>_seed<N>, for the RL tables and figures)
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import sys
 
 from minite.report import figures, load, tables
 
-FIGURES = ("throughput", "drift", "reward", "kernels", "layers", "attribution")
+FIGURES = ("throughput", "drift", "reward", "kernels", "layers", "attribution", "study")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("table", help="throughput_table.{csv,md,tex} from <results>/<arm>/learner.json")
     f = sub.add_parser("figure", help="one figure as <out>.png and <out>.pdf")
     f.add_argument("name", choices=FIGURES)
-    for q in (t, f):
+    r = sub.add_parser("results-table", help="results_table.{csv,md,tex}: accuracy and stability per arm, seeds "
+                                             "pooled, from <results>/<run>/stability.jsonl (+ summaries, evals)")
+    r.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
+    for q in (t, f, r):
         q.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
         q.add_argument("--arms", nargs="+", default=[], help="arms, in display order")
         q.add_argument("--out", help="output prefix (table) / stem (figure: writes <out>.png and <out>.pdf)")
@@ -36,6 +41,12 @@ def main(argv=None) -> int:
         df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile)
         print(df.to_string(index=False))
         return 0
+    if a.what == "results-table":
+        from minite.report.results_table import write_results_table
+        if not a.arms:
+            raise SystemExit("results-table needs --arms")
+        print(write_results_table(a.results, a.arms, a.out, a.profile).to_string(index=False))
+        return 0
     if not a.out:
         raise SystemExit("--out is required for figures")
     if a.name != "kernels" and not a.arms:
@@ -50,6 +61,9 @@ def main(argv=None) -> int:
         figures.reward_eval(load.load_stability(a.results, a.arms), evals, a.out, smooth=a.smooth)
     elif a.name == "kernels":
         figures.kernel_throughput(load.load_kernels(a.results), a.out)
+    elif a.name == "study":
+        figures.drift_study(load.load_stability(a.results, a.arms), load.load_heldout(a.results, a.arms), a.out,
+                            smooth=a.smooth, summaries=load.load_stability_summary(a.results, a.arms, missing="skip"))
     else:
         from minite.report import diagnostics
         diag = load.load_diagnostics(a.results, a.arms)

@@ -22,8 +22,10 @@ import seaborn as sns  # noqa: E402
 from minite.provenance import atomic_path  # noqa: E402
 from minite.report.load import ResultError, column  # noqa: E402
 
-ARM_COLORS = {"bf16": "#4d4d4d", "naive_te_nvfp4": "#d62728", "minite_nvfp4": "#2ca02c"}
-ARM_LABELS = {"bf16": "BF16", "naive_te_nvfp4": "naive TE NVFP4", "minite_nvfp4": "miniTE NVFP4"}
+ARM_COLORS = {"bf16": "#4d4d4d", "naive_te_nvfp4": "#d62728", "minite_nvfp4": "#2ca02c",
+              "naive_te_nvfp4_tis": "#ff7f0e", "naive_te_nvfp4_blanket": "#9467bd"}
+ARM_LABELS = {"bf16": "BF16", "naive_te_nvfp4": "naive TE NVFP4", "minite_nvfp4": "miniTE NVFP4",
+              "naive_te_nvfp4_tis": "naive TE NVFP4 + TIS", "naive_te_nvfp4_blanket": "naive TE NVFP4 (blanket)"}
 
 
 def palette(arms) -> dict:
@@ -196,3 +198,83 @@ def kernel_throughput(kernels: pd.DataFrame, out_stem=None, y: str = "tflops", f
     g.set_axis_labels("M (tokens)", "TFLOP/s" if y == "tflops" else y)
     g.figure.suptitle("NVFP4 GEMM throughput vs M", y=1.02)
     return save(g.figure, out_stem, footer or footer_from(d.to_dict("records")[:1]))
+
+
+#: the panels of the drift-study figure: (column, y label, log scale)
+STUDY_PANELS = (("k3", "k3 KL(sampler || trainer)", True), ("max_abs_dp", "max |p_train - p_sample|", True),
+                ("grad_norm", "gradient norm (before clipping)", True),
+                ("router_disagree", "router top-k sets that differ", True),
+                ("reward_mean", "training reward", False), ("heldout", "held-out accuracy (mean@k)", False))
+
+
+def _band(ax, d: pd.DataFrame, x: str, y: str, color, label: str, smooth: int, floor: float | None) -> None:
+    """One arm: the mean over its seeds of the (rolling-mean) curve, and the min-max band over seeds."""
+    wide = d.pivot_table(index=x, columns="seed", values=y).sort_index()
+    if floor is not None:
+        wide = wide.clip(lower=floor)
+    if smooth > 1:
+        wide = wide.rolling(smooth, min_periods=1).mean()
+    ax.plot(wide.index, wide.mean(axis=1), color=color, lw=1.5, label=label, marker="o" if x == "updates" else None,
+            ms=3)
+    if wide.shape[1] > 1:
+        ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1), color=color, alpha=0.2, lw=0)
+
+
+def drift_study(stability: pd.DataFrame, heldout: pd.DataFrame | None = None, out_stem=None, smooth: int = 10,
+                summaries: dict | None = None, footer: str | None = None):
+    """The drift study's six panels vs RL step, every arm, seeds pooled (line = mean over seeds, band = their
+    range): k3, max |dp|, gradient norm and router disagreement (log scale; an exact 0 is drawn at a floor a
+    decade under the smallest positive value, and the legend says so), training reward, and held-out accuracy vs
+    updates (``load.load_heldout``). ``stability``: ``load.load_stability`` of run directories (``<arm>`` or
+    ``<arm>_seed<N>``). A dotted line marks each run's drift alarm (its stability summary's alarm_step)."""
+    from minite.report.load import parse_run
+
+    if stability.empty:
+        raise ResultError("no stability records to plot")
+    runs = stability["arm"].astype(str)
+    stab = stability.assign(run=runs, arm=[parse_run(r)[0] for r in runs], seed=[parse_run(r)[1] for r in runs])
+    arms = list(dict.fromkeys(stab["arm"]))
+    colors = palette(arms)
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.4), sharex=False)
+    for ax, (name, ylabel, log) in zip(axes.flat, STUDY_PANELS):
+        if name == "heldout":
+            have = heldout is not None and not heldout.empty
+            for arm in arms if have else []:
+                d = heldout[heldout["arm"] == arm]
+                if len(d):
+                    _band(ax, d, "updates", "mean_at_k", colors[arm], ARM_LABELS.get(arm, arm), 1, None)
+            ax.set(xlabel="updates", ylabel=ylabel, title=None if have else "no held-out evaluations")
+            continue
+        col = column(stab, name, required=False)
+        if col is None:
+            ax.set(xlabel="RL step", ylabel=ylabel, title=f"not logged ({name})")
+            continue
+        d = stab[["arm", "seed", "step", col]].rename(columns={col: name}).dropna()
+        pos = d.loc[d[name] > 0, name]
+        floor = (pos.min() / 10 if len(pos) else 1e-12) if log else None
+        for arm in arms:
+            da = d[d["arm"] == arm]
+            if da.empty:
+                continue
+            label = ARM_LABELS.get(arm, arm)
+            if log and (da[name] == 0).all():
+                label += f" (= 0, drawn at {floor:.0e})"
+            _band(ax, da, "step", name, colors[arm], label, smooth, floor)
+        if log:
+            ax.set_yscale("log")
+        ax.set(xlabel="RL step", ylabel=ylabel)
+        for run, summ in (summaries or {}).items():
+            arm = parse_run(run)[0]
+            if name == "k3" and arm in colors and isinstance(summ.get("alarm_step"), (int, float)):
+                ax.axvline(summ["alarm_step"], color=colors[arm], ls=":", lw=1)
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.flat[0].legend(fontsize=7)
+    seeds = stab.groupby("arm")["seed"].nunique()
+    note = ", ".join(f"{ARM_LABELS.get(a, a)}: {n} seeds" for a, n in seeds.items() if n > 1)
+    fig.suptitle("Drift study: mismatch, gradients, routing, reward and held-out accuracy"
+                 + (f" (rolling mean of {smooth})" if smooth > 1 else "") + (f"; bands over seeds ({note})" if note
+                                                                             else ""))
+    fig.tight_layout()
+    return save(fig, out_stem, footer or footer_from([s.get("provenance") or {} for s in (summaries or {}).values()]))

@@ -3,11 +3,15 @@
 Every loader takes the profile's results directory (``results/<profile>``) and the arms to read, and
 raises a clear error on a missing or malformed file. ``missing="skip"`` (what the notebooks use) leaves
 out arms whose file does not exist yet instead of raising, so a notebook shows whatever has been run.
+
+A run of another seed than 0 has its own directory, ``<arm>_seed<N>`` (``run_name``); the RL loaders take
+such run names where they take arms, and ``parse_run`` gives a run's (arm, seed) back.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -19,6 +23,20 @@ LEARNER_KEYS = ("tokens_per_s", "step_ms", "peak_mem_gb", "model", "layers", "de
 
 class ResultError(ValueError):
     """A result file is missing a field the report needs, or holds a non-finite number."""
+
+
+_SEED_RUN = re.compile(r"^(?P<arm>[a-z0-9_]+?)_seed(?P<seed>[0-9]+)$")
+
+
+def run_name(arm: str, seed: int = 0) -> str:
+    """The results directory of an arm's run with ``seed``: ``<arm>`` for seed 0, else ``<arm>_seed<N>``."""
+    return arm if int(seed) == 0 else f"{arm}_seed{int(seed)}"
+
+
+def parse_run(run: str) -> tuple[str, int]:
+    """``run_name`` backwards: ``bf16_seed1`` -> ("bf16", 1), ``bf16`` -> ("bf16", 0)."""
+    m = _SEED_RUN.match(run)
+    return (m["arm"], int(m["seed"])) if m else (run, 0)
 
 
 def _paths(results_dir, arms, rel: str, missing: str) -> dict[str, Path]:
@@ -74,8 +92,9 @@ def load_stability(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
         df = pd.json_normalize(records, sep="/")
         if len(df) and "step" not in df:
             raise ResultError(f"{path}: records have no 'step' field")
-        if "arm" in df and len(df) and set(df["arm"].astype(str)) != {arm}:
-            raise ResultError(f"{path}: holds records of arms {sorted(set(df['arm']))}, expected only {arm!r}")
+        if "arm" in df and len(df) and set(df["arm"].astype(str)) != {parse_run(arm)[0]}:
+            raise ResultError(f"{path}: holds records of arms {sorted(set(df['arm']))}, expected only "
+                              f"{parse_run(arm)[0]!r}")
         df = df.drop(columns="arm", errors="ignore")
         df.insert(0, "arm", arm)
         frames.append(df)
@@ -94,11 +113,39 @@ def load_evals(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
     frames = []
     for arm, path in _paths(results_dir, arms, "evals.csv", missing).items():
         df = pd.read_csv(path)
-        if "arm" in df and len(df) and set(df["arm"].astype(str)) != {arm}:
-            raise ResultError(f"{path}: holds rows for arms {sorted(set(df['arm']))}, expected only {arm!r}")
+        if "arm" in df and len(df) and set(df["arm"].astype(str)) != {parse_run(arm)[0]}:
+            raise ResultError(f"{path}: holds rows for arms {sorted(set(df['arm']))}, expected only "
+                              f"{parse_run(arm)[0]!r}")
         df["arm"] = arm
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["arm"])
+
+
+def load_heldout(results_dir, runs, missing: str = "raise") -> pd.DataFrame:
+    """Held-out accuracy per run and number of updates: columns run, arm, seed, updates, mean_at_k, source.
+    From the in-run evaluation in stability.jsonl (``heldout_mean_at_k``, ``metrics.heldout_every``) when the
+    run has one, else from the eval job's evals.csv (its ``step`` = updates); a run with neither has no rows."""
+    frames = []
+    for run in runs:
+        arm, seed = parse_run(run)
+        stab = load_stability(results_dir, [run], missing=missing)
+        if "heldout_mean_at_k" in stab and stab["heldout_mean_at_k"].notna().any():
+            d = stab[stab["heldout_mean_at_k"].notna()]
+            frames.append(pd.DataFrame({"updates": d["heldout_updates"].astype(int),
+                                        "mean_at_k": d["heldout_mean_at_k"], "source": "in-run"}))
+        elif (Path(results_dir) / run / "evals.csv").exists():
+            ev = load_evals(results_dir, [run])
+            acc = next((c for c in ev.columns if str(c).startswith(("mean_at_", "mean@"))), None) or column(
+                ev, "accuracy")
+            frames.append(pd.DataFrame({"updates": ev[column(ev, "step")].astype(int), "mean_at_k": ev[acc],
+                                        "source": "evals.csv"}))
+        else:
+            continue
+        frames[-1].insert(0, "seed", seed)
+        frames[-1].insert(0, "arm", arm)
+        frames[-1].insert(0, "run", run)
+    cols = ["run", "arm", "seed", "updates", "mean_at_k", "source"]
+    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
 
 
 def load_kernels(results_dir) -> pd.DataFrame:

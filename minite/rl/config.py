@@ -3,6 +3,11 @@
 The schema configs/schemas/rl.schema.yaml holds every key, its type and range, and its default; a profile
 YAML gives any subset. Unknown sections or keys, and values out of range, raise ``RLConfigError`` naming the
 file and the key (a typo must not silently fall back to a default).
+
+An arm may fix RL settings of its own (its YAML's ``rl:`` block, ``Arm.rl``: only ``tis_cap``, how the learner
+corrects for the engine mismatch). ``with_arm_settings(cfg, arm)`` applies them on top of the profile: every
+other setting stays the profile's, the same for every arm. A profile (or ``--set``) that sets such a key to
+another value than the arm is refused rather than silently overridden.
 """
 from __future__ import annotations
 
@@ -38,6 +43,28 @@ def load_rl_config(profile_or_path: str = "cpu", overrides: dict | None = None) 
     cfg = validate(raw, "rl", source, RLConfigError, fill_defaults=True)
     cfg["_source"] = path
     return cfg
+
+
+def with_arm_settings(cfg: dict, arm) -> dict:
+    """``cfg`` with the arm's own RL settings (``arm.rl``) applied, re-validated; ``cfg`` itself when the arm has
+    none. ``_arm_rl`` records what the arm set (run.json keeps the config). Applying it twice is a no-op."""
+    fixed = getattr(arm, "rl", None) or {}
+    if not fixed:
+        return cfg
+    out = copy.deepcopy(cfg)
+    for key, value in fixed.items():
+        have, default = out["rl"].get(key), DEFAULTS["rl"].get(key)
+        if have not in (default, value):
+            raise RLConfigError(f"arm {arm.name} sets rl.{key}={value!r}, the RL config {cfg.get('_source')} "
+                                f"sets {have!r}: an arm's own RL settings are not overridden; leave rl.{key} "
+                                "at its default in the config")
+        out["rl"][key] = value
+    source = f"{cfg.get('_source')} + arm {arm.name} rl {fixed}"
+    out = validate({k: v for k, v in out.items() if not k.startswith("_")}, "rl", source, RLConfigError,
+                   fill_defaults=True)
+    out["_source"] = cfg.get("_source")
+    out["_arm_rl"] = dict(fixed)
+    return out
 
 
 def config_hash(obj) -> str:

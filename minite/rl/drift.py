@@ -18,6 +18,12 @@ false-alarm rate is ~3% per 500 stationary steps at warmup 20 (<1% at warmup 30)
 +0.05/step in log k3 (k3 x e every 20 steps) is caught 5-35 steps after it starts (tests/test_rl_drift.py).
 A single spike of height < h + slack sigmas does not fire. The floor keeps exact-zero mismatch finite.
 
+Further metrics (``DriftWatch``, the RL config's ``metrics.watch``: metric -> log floor): the same CUSUM, with
+the ``drift`` section's warm-up / kappa / h / sigma_floor, runs on each named per-step metric (e.g. grad_norm,
+max_abs_dlogp, router_disagree, response_len_mean), each with its own floor: a metric that is often exactly 0
+(router_disagree on short batches) needs a floor at its resolution, or its first non-zero value would read as
+a shift of many decades. Steps where a metric was not measured are skipped.
+
 Reward collapse: EWMA of the per-step reward (``alpha``), its running peak after warm-up; collapse at the
 first step where the peak is at least ``min_peak`` and the EWMA has fallen below ``frac`` x peak.
 ``lead = collapse_step - alarm_step`` (positive: the alarm fired that many steps before the collapse).
@@ -70,6 +76,37 @@ class DriftAlarm:
     def load_state_dict(self, d: dict) -> None:
         for k, v in d.items():
             setattr(self, k, list(v) if k == "baseline" else v)
+
+
+class DriftWatch:
+    """One ``DriftAlarm`` per watched metric (module docstring); plain-dict state for checkpoints."""
+
+    def __init__(self, watch: dict[str, float], warmup: int = 20, kappa: float = 1.0, h: float = 8.0,
+                 floor: float = 1e-12, sigma_floor: float = 0.05):
+        del floor                                   # each metric brings its own
+        self.alarms = {m: DriftAlarm(warmup, kappa, h, float(f), sigma_floor) for m, f in (watch or {}).items()}
+
+    def update(self, step: int, record: dict) -> dict:
+        """Feed the watched metrics of one step's record; returns {"watch": {metric: {"cusum", "alarm"}}}."""
+        out = {}
+        for metric, alarm in self.alarms.items():
+            value = record.get(metric)
+            if value is not None:
+                r = alarm.update(step, float(value))
+                out[metric] = {"cusum": r["cusum"], "alarm": r["alarm"]}
+        return {"watch": out} if out else {}
+
+    def alarm_steps(self) -> dict[str, int | None]:
+        return {m: a.alarm_step for m, a in self.alarms.items()}
+
+    def state_dict(self) -> dict:
+        return {m: a.state_dict() for m, a in self.alarms.items()}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore the metrics a checkpoint holds (one from before a metric was watched starts it afresh)."""
+        for m, state in (d or {}).items():
+            if m in self.alarms:
+                self.alarms[m].load_state_dict(state)
 
 
 class CollapseDetector:

@@ -53,17 +53,26 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
         if path is not None:
             trainer.load(str(path / "trainer"))
             sync_weights(trainer, sampler)
-        gen = torch.Generator(device=device).manual_seed(10_007 * seed + step)
-        correct = []
-        for i in range(0, len(problems), chunk):
-            ro = rollout(task, sampler, problems[i:i + chunk], k, max_new_tokens=ev["max_new_tokens"],
-                         temperature=ev["temperature"], top_p=ev["top_p"], generator=gen)
-            correct.append(ro.rewards.view(-1, k))
-        c = torch.cat(correct)
-        rows.append({"arm": arm.name, "step": step, "k": k, "mean_at_k": float(c.mean(1).mean()),
-                     "pass_at_k": float((c.max(1).values > 0).float().mean()), "n_prompts": len(problems),
+        rows.append({"arm": arm.name, "step": step, **heldout_accuracy(task, sampler, problems, ev, seed, step, chunk),
                      "temperature": ev["temperature"], "sha": prov["sha"], "device": prov["device"],
                      "date": prov["date"]})
     df = pd.DataFrame(rows, columns=COLUMNS)
     write_csv(out_csv, df)
     return df
+
+
+def heldout_accuracy(task, sampler, problems, ev: dict, seed: int, updates: int, chunk: int) -> dict:
+    """The sampler's mean@k and pass@k on ``problems`` (the ``eval`` section's k, temperature, top-p and
+    max_new_tokens), ``chunk`` prompts (x k samples) per generate call; its own generator, seeded by
+    (seed, updates), so an evaluation is reproducible and never touches the RL run's random state.
+    Returns {"k", "mean_at_k", "pass_at_k", "n_prompts"}."""
+    k = int(ev["k"])
+    gen = torch.Generator(device=sampler.device).manual_seed(10_007 * seed + updates)
+    correct = []
+    for i in range(0, len(problems), chunk):
+        ro = rollout(task, sampler, problems[i:i + chunk], k, max_new_tokens=ev["max_new_tokens"],
+                     temperature=ev["temperature"], top_p=ev["top_p"], generator=gen)
+        correct.append(ro.rewards.view(-1, k))
+    c = torch.cat(correct)
+    return {"k": k, "mean_at_k": float(c.mean(1).mean()), "pass_at_k": float((c.max(1).values > 0).float().mean()),
+            "n_prompts": len(problems)}

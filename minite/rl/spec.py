@@ -17,7 +17,7 @@ from pathlib import Path
 
 from minite.engines import build_engines
 from minite.engines.arms import Arm
-from minite.rl.config import config_hash
+from minite.rl.config import config_hash, with_arm_settings
 from minite.tasks import Task
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,14 +35,20 @@ class RunSpec:
     seed: int = 0
     device: str = "cpu"
 
+    def __post_init__(self):
+        # the arm's own RL settings (its `rl:` block: tis_cap) on top of the profile, for every user of the spec
+        if self.arm is not None:
+            object.__setattr__(self, "cfg", with_arm_settings(self.cfg, self.arm))
+
     @property
     def init_path(self) -> str | None:
         """The warm start as stored in results (relative path), None without one."""
         return stored_path(self.init) if self.init else None
 
     def run_id(self) -> str:
-        """Hash of everything that changes the curve (not the checkpoint cadence, evals or file locations)."""
-        cfg = {k: v for k, v in self.cfg.items() if k not in ("ckpt", "eval", "_source")}
+        """Hash of everything that changes the curve (not the checkpoint cadence, evals, the measurements
+        beside the curve (``metrics``) or file locations)."""
+        cfg = {k: v for k, v in self.cfg.items() if k not in ("ckpt", "eval", "metrics", "_source")}
         return config_hash({"arm": self.arm.raw or self.arm.name, "model": self.model_cfg, "cfg": cfg,
                             "task": self.task.config(), "seed": self.seed, "init": self.init_path})
 
@@ -92,8 +98,9 @@ def stored_path(path: str | Path) -> str:
 
 
 def resolve_stored_path(path: str | Path) -> Path:
-    """A path read back from results: a relative one against the repository when it exists there."""
+    """A path read back from results: a relative one as it is when it exists from the working directory (where
+    a job stored it from outside the repository), else against the repository when it exists there."""
     p = Path(path)
-    if not p.is_absolute() and (REPO_ROOT / p).exists():
+    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
         return REPO_ROOT / p
     return p

@@ -13,7 +13,11 @@ else is a deterministic function of the seed). Phases: ``generate_s`` = sampling
 ``score_s`` = the trainer's log-prob recompute, ``update_s`` = the learner update, ``sync_s`` = the weight
 sync (``sync_bytes`` shipped); ``*_tokens_per_s`` = response tokens (generate) or all tokens (score, update)
 per second. Entropy is the SAMPLER-side Monte-Carlo estimate: minus the
-mean log-prob of the sampled response tokens under the distribution they were sampled from.
+mean log-prob of the sampled response tokens under the distribution they were sampled from. The drift
+measurements beside the mismatch metrics (response lengths, the max-|dlogp| token's probabilities, router
+top-k disagreement, in-run held-out accuracy) are ``minite.rl.step_metrics``, one call per step before the
+update; ``metrics_s`` is their time. The drift alarm runs on ``rl.drift_metric`` and, through
+``DriftWatch``, on each metric of ``metrics.watch``; the summary's ``alarms`` gives each one's alarm step.
 
 Determinism and resume: the prompts of step s are a pure function of (seed, s); sampling draws from one
 ``torch.Generator`` whose state is checkpointed; ``trainer.save`` holds model + optimizer + RNG. A checkpoint
@@ -41,10 +45,11 @@ from minite.diagnostics.metrics import align_trainer_logprobs, mismatch_metrics
 from minite.engines.sync import sync_weights
 from minite.provenance import append_jsonl, provenance, write_json
 from minite.rl import checkpoints as ck
-from minite.rl.drift import CollapseDetector, DriftAlarm, lead_steps
+from minite.rl.drift import CollapseDetector, DriftAlarm, DriftWatch, lead_steps
 from minite.rl.grpo import group_advantages, make_loss_fn, tis_weights
 from minite.rl.rollout import rollout, sequence_accuracy
 from minite.rl.spec import RunSpec, stored_path
+from minite.rl.step_metrics import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,9 @@ class _Loop:
         self.loss_fn = make_loss_fn(rl["clip_low"], rl["clip_high"], rl["beta"], rl["tis_cap"], rl["agg"])
         self.reference = spec.reference() if rl["beta"] else None
         self.gen = torch.Generator(device=spec.device).manual_seed(spec.seed)
+        self.metrics = StepMetrics(spec.cfg, spec.task, max_new_tokens=sc.max_new_tokens, seed=spec.seed,
+                                   max_seq_len=spec.task.max_prompt_len + sc.max_new_tokens,
+                                   max_batch=sc.prompts * sc.group_size)
 
     def step(self, step: int) -> dict:
         sc, task, trainer = self.sc, self.task, self.trainer
@@ -113,6 +121,8 @@ class _Loop:
         logp_t = trainer.logprobs(ro.tokens, ro.attention_mask).detach().float().cpu()   # [B, L-1]
         t2 = time.perf_counter()
         mm = mismatch_metrics(ro.sampler_logprobs, align_trainer_logprobs(logp_t), ro.response_mask)
+        drift = self.metrics(step, ro, logp_t, trainer, self.sampler)          # minite.rl.step_metrics
+        t2m = time.perf_counter()
 
         rewards = ro.rewards.view(P, G)
         adv = group_advantages(rewards, std_normalize=sc.std_normalize).reshape(-1)
@@ -140,12 +150,13 @@ class _Loop:
             "grad_norm": float(upd["grad_norm"]),
             "n_response_tokens": n_resp_tokens,
             **mm,
+            **drift,
         }
         if sc.tis_cap is not None:
             w = tis_weights(logp_t, ro.sampler_logprobs[:, 1:], sc.tis_cap)[ro.response_mask[:, 1:].bool()]
             rec.update(tis_weight_mean=float(w.mean()), tis_frac_capped=float((w >= sc.tis_cap).float().mean()))
         for name, secs, toks in (("generate", t1 - t0, n_resp_tokens), ("score", t2 - t1, all_tokens),
-                                 ("update", t3 - t2, all_tokens), ("sync", t4 - t3, None)):
+                                 ("update", t3 - t2m, all_tokens), ("sync", t4 - t3, None)):
             rec[f"{name}_s"] = secs
             if toks is not None:
                 rec[f"{name}_tokens_per_s"] = toks / secs if secs > 0 else None
@@ -168,6 +179,7 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
     ck.check_run_id(out, run_id)
     loop = _Loop(spec, sc)
     alarm, collapse = DriftAlarm(**cfg["drift"]), CollapseDetector(**cfg["collapse"])
+    watch = DriftWatch(cfg["metrics"]["watch"], **cfg["drift"])
     jsonl = out / "stability.jsonl"
     start, wall0 = 0, 0.0
     last = ck.latest_checkpoint(out)
@@ -177,6 +189,7 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
         ck.restore_generator(loop.gen, state["generator"])
         alarm.load_state_dict(state["drift"])
         collapse.load_state_dict(state["collapse"])
+        watch.load_state_dict(state.get("watch"))
         start, wall0 = int(state["step"]), float(state["wall_s"])
     ck.truncate_jsonl(jsonl, start)
     prov = provenance(spec.device)
@@ -197,6 +210,7 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
         rec = loop.step(step)
         rec.update(alarm.update(step, rec[sc.drift_metric]))
         rec.update(collapse.update(step, rec["reward_mean"]))
+        rec.update(watch.update(step, rec))
         rec["wall_s"] = wall0 + time.perf_counter() - t_run
         append_jsonl(jsonl, {"arm": arm.name, **rec})
         bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", k3=f"{rec['k3']:.2e}")
@@ -204,12 +218,13 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
         if step % every == 0 or step == steps:
             state = {"step": step, "data_position": step, "wall_s": rec["wall_s"],
                      "generator": ck.generator_state(loop.gen), "drift": alarm.state_dict(),
-                     "collapse": collapse.state_dict()}
+                     "collapse": collapse.state_dict(), "watch": watch.state_dict()}
             ck.save_checkpoint(out, step, loop.trainer, state, cfg["ckpt"]["keep"])
     bar.close()
 
     summary = {"arm": arm.name, "model": spec.model_cfg.get("name"), "steps": max(start, steps),
                "drift_metric": sc.drift_metric, "alarm_step": alarm.alarm_step,
+               "alarms": {sc.drift_metric: alarm.alarm_step, **watch.alarm_steps()},
                "collapse_step": collapse.collapse_step,
                "lead_steps": lead_steps(alarm.alarm_step, collapse.collapse_step),
                **_final_rewards(jsonl), "reward_peak_ewma": collapse.peak,
@@ -217,6 +232,8 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
                "segments": [json.loads(line) for line in (out / "segments.jsonl").read_text().splitlines() if line],
                "definitions": {"alarm": f"one-sided CUSUM on log({sc.drift_metric}) vs its warm-up median/MAD "
                                         f"(minite.rl.drift; warmup {alarm.warmup}, kappa {alarm.kappa}, h {alarm.h})",
+                               "alarms": "the same CUSUM on each metric of metrics.watch (its own log floor); "
+                                         "the step it fired, or null",
                                "collapse": f"reward EWMA(alpha={collapse.alpha}) < {collapse.frac} x peak",
                                "lead_steps": "collapse_step - alarm_step"},
                "provenance": provenance(spec.device)}

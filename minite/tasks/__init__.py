@@ -2,6 +2,8 @@
 
     base.py            Problem, TaskError, the Task interface (calibration_prompts, heldout_prompts), sft_batch
     arithmetic.py      multi-digit arithmetic on the char tokenizer (the embedded default)
+    long_arithmetic.py long multiplication / addition with a column-by-column scratchpad (200-1000 token
+                       answers: the drift study's task)
     math_task.py       real-scale math from a local jsonl/parquet file (``minite[math]``: datasets, math-verify)
     random_prompts.py  seeded random token prompts for a model that has no task here
 
@@ -11,19 +13,22 @@ from __future__ import annotations
 
 from minite.tasks.arithmetic import ArithmeticTask
 from minite.tasks.base import Problem, Task, TaskError, sft_batch
+from minite.tasks.long_arithmetic import LongArithmeticTask
 from minite.tasks.math_task import MathTask, load_hf_tokenizer
 from minite.tasks.random_prompts import RandomPrompts
 
 
 def build_task(cfg: dict, seed: int = 0, tokenizer=None) -> Task:
-    """A task from the ``task:`` block of an RL config (``kind: arithmetic`` or ``kind: math``)."""
+    """A task from the ``task:`` block of an RL config (``kind: arithmetic``, ``long_arithmetic`` or ``math``)."""
     cfg = dict(cfg or {})
     kind = cfg.pop("kind", "arithmetic")
     if kind == "arithmetic":
         return ArithmeticTask(seed=seed, **cfg)
+    if kind == "long_arithmetic":
+        return LongArithmeticTask(seed=seed, **cfg)
     if kind == "math":
         return MathTask(seed=seed, tokenizer=tokenizer, **cfg)
-    raise TaskError(f"unknown task kind {kind!r} (arithmetic | math)")
+    raise TaskError(f"unknown task kind {kind!r} (arithmetic | long_arithmetic | math)")
 
 
 def task_for_model(task_cfg: dict | None, model_cfg: dict, seed: int = 0):
@@ -36,5 +41,5 @@ def task_for_model(task_cfg: dict | None, model_cfg: dict, seed: int = 0):
     return build_task(task_cfg, seed=seed, tokenizer=None if char else load_hf_tokenizer(model_cfg["tokenizer"]))
 
 
-__all__ = ["ArithmeticTask", "MathTask", "Problem", "RandomPrompts", "Task", "TaskError", "build_task",
-           "load_hf_tokenizer", "sft_batch", "task_for_model"]
+__all__ = ["ArithmeticTask", "LongArithmeticTask", "MathTask", "Problem", "RandomPrompts", "Task", "TaskError",
+           "build_task", "load_hf_tokenizer", "sft_batch", "task_for_model"]

@@ -106,11 +106,12 @@ def render_args(args: dict) -> str:
     return " ".join(out)
 
 
-def job_args(name: str) -> str:
-    """The flags of job `name` from the config: --model first (when set), then `args` in order."""
+def job_args(name: str, **override) -> str:
+    """The flags of job `name` from the config: --model first (when set), then `args` in order (``override``:
+    values that replace some of them, e.g. device="cuda:1")."""
     j = job(name)
     model = f"--model {shlex.quote(j['model'])} " if j.get("model") else ""
-    return (model + render_args(j.get("args", {}))).strip()
+    return (model + render_args({**j.get("args", {}), **override})).strip()
 
 
 def _cores() -> int:

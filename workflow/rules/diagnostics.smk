@@ -1,6 +1,6 @@
 # Trainer/sampler mismatch diagnostics per arm: mismatch.json (token-level metrics) and layers.csv
 # (per-layer/op localisation). The cause attribution (naive -> aligned, one engine difference at a time,
-# 32 measured cause subsets) is the same table whichever arm asks for it, so only one arm computes it:
+# 16 measured cause subsets of naive_te_nvfp4) is the same table whichever arm asks for it, so only one arm computes it:
 # ATTRIBUTION_ARM (the naive arm when configured), through its own rule.
 
 ATTRIBUTION_ARM = "naive_te_nvfp4" if "naive_te_nvfp4" in ARMS else ARMS[0]

@@ -31,7 +31,7 @@ rule rl:
     output:
         f"{RESULTS}/{{arm}}/stability_summary.json",
     params:
-        args=job_args("rl"),
+        args=lambda wc: placed_args("rl", wc.arm),
         init=f"{RESULTS}/sft",
         out=lambda wc: f"{RESULTS}/{wc.arm}",
     log:
@@ -52,7 +52,7 @@ rule eval:
     output:
         f"{RESULTS}/{{arm}}/evals.csv",
     params:
-        args=job_args("eval"),
+        args=lambda wc: placed_args("eval", wc.arm),
         run=lambda wc: f"{RESULTS}/{wc.arm}",
     log:
         f"{LOGS}/eval/{{arm}}.log",
