@@ -19,6 +19,7 @@ from pathlib import Path
 
 from minite.diagnostics.attribution import top_causes
 from minite.diagnostics.localise import ROUNDING_THRESHOLD
+from minite.diagnostics.metrics import ATTRIBUTION_NOTE, DEFINITIONS
 from minite.engines.arms import ArmError, load_arm
 from minite.provenance import provenance, write_csv, write_json
 
@@ -121,13 +122,12 @@ def run(args) -> int:
     record = {**m, "first_divergence": d["first_divergence"],
               "score_replay_max_abs_diff": d["score_replay_max_abs_diff"],
               "captured": d["captured"], "settings": settings,
-              "definitions": "minite.diagnostics.metrics (verl rollout_corr / NeMo-RL / TRL); localisation: "
-                             "minite.diagnostics.localise; attribution: minite.diagnostics.attribution",
+              "definitions": DEFINITIONS,
               "wall_s": time.perf_counter() - t0, "provenance": provenance(args.device)}
     if attr is not None:
         record["attribution_top_causes"] = [{"cause": c, "share": s} for c, s in top_causes(attr)]
         record["attribution_settings"] = {"prompts": args.attribution_prompts, "tokens": "naive sampler",
-                                          "metric": "k3"}
+                                          "metric": "k3", "note": ATTRIBUTION_NOTE}
         if reused is not None:
             record["attribution_source"] = reused
     # figures first (they can fail on odd data); tables and the json last, so a crash leaves no partial set
