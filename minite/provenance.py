@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-
 #: The checkout this package runs from (an editable install: the repository root).
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +92,7 @@ def provenance(device=None, command: list[str] | str | None = None) -> dict:
         "sha": git_sha(),
         "device": device_name(device),
         "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),

@@ -22,11 +22,13 @@ def _attr():
     causes = ["weights", "activations", "gemm", "high_precision", "non_gemm"]
     for order, seq in (("forward", causes), ("reverse", causes[::-1])):
         k3 = 1.0
-        for c, d in zip(seq, (0.5, 0.2, 0.1, -0.05, 0.24)):
-            rows.append({"cause": c, "order": order, "k3_before": k3, "k3_after": k3 - d, "delta": d, "share": d / 0.99})
+        for c, d in zip(seq, (0.5, 0.2, 0.1, -0.05, 0.24), strict=True):
+            rows.append({"cause": c, "order": order, "k3_before": k3, "k3_after": k3 - d, "delta": d,
+                         "share": d / 0.99})
             k3 -= d
-    for c, d in zip(causes, (0.4, 0.3, 0.1, 0.09, 0.1)):
-        rows.append({"cause": c, "order": "shapley", "k3_before": 1.0, "k3_after": 0.01, "delta": d, "share": d / 0.99})
+    for c, d in zip(causes, (0.4, 0.3, 0.1, 0.09, 0.1), strict=True):
+        rows.append({"cause": c, "order": "shapley", "k3_before": 1.0, "k3_after": 0.01, "delta": d,
+                     "share": d / 0.99})
     return pd.DataFrame(rows)
 
 

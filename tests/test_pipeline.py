@@ -37,7 +37,8 @@ def smk(wf, *args, check=True):
     r = subprocess.run([*SNAKEMAKE, "--nocolor", *args], cwd=wf, capture_output=True, text=True, env=env,
                        timeout=600)
     if check and r.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({r.returncode}):\n"
+                             f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
 
 
@@ -130,7 +131,8 @@ def test_job_flags_come_from_the_config(wf):
     r = smk(wf, "-n", "-p", "results/cpu/bf16/learner.json", "--config", "profile=cpu")
     assert "--model tiny --device cpu --steps 30 --warmup 3" in r.stdout
     # a --configfile holding only the keys to change; a mapping renders as a repeated KEY=VALUE flag
-    (wf / "more.yaml").write_text("jobs:\n  rl:\n    args:\n      steps: 7\n      set: {rl.group_size: 8, rl.lr: 1.0e-5}\n")
+    (wf / "more.yaml").write_text("jobs:\n  rl:\n    args:\n      steps: 7\n"
+                                  "      set: {rl.group_size: 8, rl.lr: 1.0e-5}\n")
     r = smk(wf, "-n", "-p", "results/cpu/bf16/stability_summary.json", "--configfile", "more.yaml")
     cmd = next(ln for ln in r.stdout.splitlines() if "minite rl --arm bf16" in ln)
     assert "--steps 7 --ckpt-every 10 --set rl.group_size=8 --set rl.lr=1e-05" in cmd

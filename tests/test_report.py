@@ -326,8 +326,9 @@ def _diagnostics(results, arms=ARMS):
                      + [{"layer": -1, "op": "logits", "metric": "rel_err", "value": 2e-3}]).to_csv(
             d / "layers.csv", index=False)
     causes = ["weights", "activations"]
-    pd.DataFrame([{"cause": c, "order": o, "k3_before": 2e-4 if i == 0 else 1e-4, "k3_after": 1e-4 if i == 0 else 0.0,
-                   "delta": 1e-4, "share": 0.5} for o in ("forward", "reverse", "shapley") for i, c in enumerate(causes)]
+    pd.DataFrame([{"cause": c, "order": o, "k3_before": 2e-4 if i == 0 else 1e-4,
+                   "k3_after": 1e-4 if i == 0 else 0.0, "delta": 1e-4, "share": 0.5}
+                  for o in ("forward", "reverse", "shapley") for i, c in enumerate(causes)]
                  ).to_csv(results / "naive_te_nvfp4" / "diagnostics" / "attribution.csv", index=False)
 
 

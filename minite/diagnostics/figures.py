@@ -56,7 +56,8 @@ def layer_heatmap(layers: pd.DataFrame, stem: str | Path, metric: str = "rel_err
     d = layers[layers["metric"] == metric]
     if d.empty:
         raise ValueError(f"no rows with metric {metric!r} to plot")
-    d = d.assign(row=[("logits" if op == "logits" else str(int(layer))) for layer, op in zip(d["layer"], d["op"])])
+    d = d.assign(row=[("logits" if op == "logits" else str(int(layer)))
+                      for layer, op in zip(d["layer"], d["op"], strict=True)])
     ops = [o for o in OP_ORDER if o in set(d["op"])] + sorted(set(d["op"]) - set(OP_ORDER))
     layer_rows = sorted({int(x) for x in d.loc[d["op"] != "logits", "layer"]})
     rows = [str(x) for x in layer_rows] + (["logits"] if (d["op"] == "logits").any() else [])
@@ -94,7 +95,7 @@ def attribution_waterfall(attr: pd.DataFrame, stem: str | Path, title: str = "",
         raise ValueError("attribution table has no forward/reverse/shapley rows")
     fig, axes = plt.subplots(1, len(orders), figsize=(4.6 * len(orders), 4.2), squeeze=False, sharey=True)
     palette = sns.color_palette("deep")
-    for ax, order in zip(axes[0], orders):
+    for ax, order in zip(axes[0], orders, strict=True):
         d = attr[attr["order"] == order].reset_index(drop=True)
         if order == "shapley":  # a waterfall needs a running level: stack Shapley values from the start
             start = float(d["k3_before"].iloc[0])

@@ -15,9 +15,9 @@ import matplotlib
 if "ipykernel" not in sys.modules:          # files only, never a display (a notebook keeps its inline backend)
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from minite.provenance import atomic_path  # noqa: E402
 from minite.report.load import ResultError, column  # noqa: E402
@@ -147,7 +147,7 @@ def drift(stability: pd.DataFrame, out_stem=None, summaries: dict | None = None,
     colors = palette(stability["arm"].unique())
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True, layout="constrained")
     for ax, (name, ylabel) in zip(axes, [("k3", "k3 KL(sampler || trainer)"),
-                                         ("max_abs_dp", "max |p_train - p_sample|")]):
+                                         ("max_abs_dp", "max |p_train - p_sample|")], strict=True):
         df = stability[["arm", "step", column(stability, name)]]
         df.columns = ["arm", "step", name]
         _log_positive(ax, df, name, colors, ylabel, smooth)

@@ -191,7 +191,7 @@ def _reference_section(df: pd.DataFrame, reference: dict[str, dict], reference_d
            f"The committed reference run{f' (`{reference_dir}`)' if reference_dir else ''}, measured by the "
            "commit and on the device named above, not by this run."]
     same = {(str(r["model"]), str(r["layers"])) for r in reference.values()} == \
-        {(str(m), str(n)) for m, n in zip(df["model"], df["layers"])}
+        {(str(m), str(n)) for m, n in zip(df["model"], df["layers"], strict=True)}
     if not same:
         out.append(" **It measured another model slice: its numbers are not comparable with this run's.**")
     return out + ["", _md_table(THROUGHPUT_HEADER, _throughput_rows(ref))]
@@ -201,12 +201,13 @@ def to_latex(df: pd.DataFrame) -> str:
     t = pd.DataFrame({
         "Arm": df["arm"],
         "Tokens/s": df["tokens_per_s"].map("{:,.0f}".format),
-        "IQR": [f"{a:,.0f}--{b:,.0f}" for a, b in zip(df["tokens_per_s_q25"], df["tokens_per_s_q75"])],
+        "IQR": [f"{a:,.0f}--{b:,.0f}"
+                for a, b in zip(df["tokens_per_s_q25"], df["tokens_per_s_q75"], strict=True)],
         "n": df["n_steps"],
         "vs BF16": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_bf16"], df["ratio_vs_bf16_lo"],
-                                                                  df["ratio_vs_bf16_hi"])],
+                                                                  df["ratio_vs_bf16_hi"], strict=True)],
         "vs naive": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_naive"], df["ratio_vs_naive_lo"],
-                                                                   df["ratio_vs_naive_hi"])],
+                                                                   df["ratio_vs_naive_hi"], strict=True)],
         "Step (ms)": df["step_ms"].map("{:,.1f}".format),
         "Peak mem (GB)": df["peak_mem_gb"].map(lambda v: _fmt(v, ".2f", "--")),
         "Trust": df["flag"].map(lambda f: f or "ok"),
