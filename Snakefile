@@ -9,6 +9,9 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
+# Every path below is relative to the repository, whatever directory snakemake was started from.
+workdir: workflow.basedir
+
 report: "workflow/report/workflow.rst"
 
 

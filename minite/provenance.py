@@ -1,7 +1,9 @@
-"""Provenance and atomic writes: every result file carries (or sits beside) git sha, device, command, date.
+"""Provenance and atomic writes: every result file carries (or sits beside) git sha, device, command, date
+and the versions of the software that measured it.
 
 One writer per file, and no half-written results: everything goes to a temporary file in the same
-directory and is renamed into place only when complete.
+directory and is renamed into place only when complete, with the mode a plain ``open()`` would give it.
+Paths stored in results are relative to the repository (``repo_relative``), never the machine's.
 """
 from __future__ import annotations
 
@@ -18,15 +20,18 @@ from pathlib import Path
 
 import torch
 
+#: The checkout this package runs from (an editable install: the repository root).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 
 def git_sha(short: bool = False) -> str:
-    """The checkout's commit (with '-dirty' when the tree has changes), or 'unknown' outside git.
+    """The checkout's commit (with '-dirty' when tracked files have changes), or 'unknown' outside git.
 
-    MINITE_GIT_SHA, when set, wins: a copied tree (e.g. on a lent GPU box) can carry a stale .git whose HEAD
-    is not the commit that was sent."""
+    MINITE_GIT_SHA, when set, wins: a tree copied to another machine (e.g. an offline GPU node) can carry a
+    stale .git whose HEAD is not the commit that was copied."""
     if os.environ.get("MINITE_GIT_SHA"):
         return os.environ["MINITE_GIT_SHA"]
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
@@ -45,22 +50,64 @@ def device_name(device: str | torch.device | None = None) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def repo_relative(path: str | os.PathLike) -> str:
+    """``path`` relative to the repository when it lies inside it (what results store), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver version (nvidia-ml-py), or None without a GPU / NVML."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # ImportError, NVMLError: the driver version is informative, never required
+        return None
+
+
 def provenance(device=None, command: list[str] | str | None = None) -> dict:
-    """The provenance block every result carries."""
+    """The provenance block every result carries: sha, device, command, date and the software versions
+    (torch, triton, Python; on a GPU the CUDA runtime torch was built for and the driver, else None)."""
     if command is None:
         command = [Path(sys.argv[0]).name if sys.argv[0] else "python"] + sys.argv[1:]
         if sys.argv and sys.argv[0].endswith("__main__.py"):
             command = ["python", "-m", "minite"] + sys.argv[1:]
     if not isinstance(command, str):
         command = shlex.join(command)
-    return {
+    out = {
         "sha": git_sha(),
         "device": device_name(device),
         "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
+        "triton": _triton_version(),
         "python": platform.python_version(),
     }
+    dev = torch.device(device) if device is not None else None
+    on_gpu = (dev is None or dev.type == "cuda") and torch.cuda.is_available()
+    out.update(cuda=torch.version.cuda if on_gpu else None, gpu_driver=gpu_driver() if on_gpu else None)
+    return out
+
+
+def _file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the process umask (mkstemp alone gives 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @contextlib.contextmanager
@@ -70,6 +117,7 @@ def atomic_path(path: str | os.PathLike, mode: str = "w"):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode())
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -114,5 +162,5 @@ def _json_default(o):
     if hasattr(o, "item"):
         return o.item()
     if isinstance(o, Path):
-        return str(o)
+        return repo_relative(o)
     raise TypeError(f"not JSON serialisable: {type(o)}")

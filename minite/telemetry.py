@@ -1,4 +1,8 @@
-"""GPU telemetry while a benchmark runs (nvidia-ml-py): mean power, energy, mean SM clock.
+"""What a benchmark measured besides its result: the spread of repeated timings, and GPU telemetry
+(nvidia-ml-py: mean power, energy, mean SM clock) while it runs.
+
+    timing_summary([12.1, 11.9, 12.4, ...])   # {"n", "median", "q25", "q75", "min", "max", "spread"}
+    SPREAD_LIMIT                              # spread above which a timing is too noisy to compare
 
     with GPUTelemetry(device) as tel:
         ... timed work ...
@@ -11,10 +15,27 @@ says why in ``note``, so callers never need to branch.
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
 import torch
+
+#: A timing whose interquartile range exceeds this fraction of its median is too noisy to compare: a ratio
+#: against it could be off by that much (the throughput table flags such rows).
+SPREAD_LIMIT = 0.10
+
+
+def timing_summary(samples) -> dict:
+    """Median and spread of repeated timings (any unit; the result keeps it): n, median, q25 / q75 (the
+    interquartile range, linear interpolation as numpy's default), min, max, and spread = IQR / median."""
+    xs = sorted(float(x) for x in samples)
+    if not xs:
+        raise ValueError("no timings to summarise")
+    med = statistics.median(xs)
+    q25, _, q75 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (med, med, med)
+    return {"n": len(xs), "median": med, "q25": q25, "q75": q75, "min": xs[0], "max": xs[-1],
+            "spread": (q75 - q25) / med if med > 0 else float("nan")}
 
 
 def _handle(pynvml, index: int):

@@ -5,8 +5,9 @@ import pytest
 
 from minite.cli import main
 
-KEYS = {"tokens_per_s", "step_ms", "step_split_ms", "peak_mem_gb", "telemetry", "model", "layers", "arm",
-        "device", "sha", "command", "date", "note", "tokens_per_update"}
+KEYS = {"tokens_per_s", "step_ms", "step_ms_all", "step_ms_stats", "step_split_ms", "peak_mem_gb", "telemetry",
+        "model", "layers", "arm", "device", "sha", "command", "date", "note", "tokens_per_update", "torch", "triton",
+        "gpu_driver"}
 
 
 # weights quantized per update (one forward): 2 layers x (q/k/v/o + 2 expert tensors), + the router per layer
@@ -22,18 +23,23 @@ def test_bench_learner_writes_json(tmp_path, arm, quantized):
     assert d["arm"] == arm and d["model"] == "tiny" and d["layers"] == 2
     assert d["tokens_per_update"] == 64 and len(d["step_ms_all"]) == 2
     assert d["tokens_per_s"] == pytest.approx(64 / (d["step_ms"] / 1e3))
+    stats = d["step_ms_stats"]                                        # the spread of the timed steps
+    assert stats["n"] == 2 and stats["median"] == pytest.approx(d["step_ms"])
+    assert stats["min"] == min(d["step_ms_all"]) <= stats["q25"] <= stats["q75"] <= stats["max"]
     assert d["step_split_ms"]["optimizer"] > 0 and d["peak_mem_gb"] > 0
     assert d["telemetry"]["note"] and "Hopper" in d["note"]
     assert d["weight_quantizations_per_update"] == quantized          # re-quantized every forward
 
 
-def test_bench_learner_profile_csv(tmp_path):
+@pytest.mark.parametrize("flag", ["--torch-profile", "--profile"])   # --profile: the old spelling, hidden
+def test_bench_learner_profile_csv(tmp_path, flag):
     import pandas as pd
     out, prof = tmp_path / "learner.json", tmp_path / "profile.csv"
     rc = main(["bench-learner", "--arm", "minite_nvfp4", "--model", "tiny", "--steps", "1", "--warmup", "0",
-               "--tokens-per-update", "64", "--seq-len", "32", "--device", "cpu", "--profile", str(prof),
+               "--tokens-per-update", "64", "--seq-len", "32", "--device", "cpu", flag, str(prof),
                "--out", str(out)])
     assert rc == 0 and out.is_file()
+    assert json.loads(out.read_text())["torch_profile"] == str(prof)      # outside the repository: as given
     df = pd.read_csv(prof)
     assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms",
                                 "sha", "device"]
@@ -50,3 +56,19 @@ def test_bench_learner_bad_input_writes_nothing(tmp_path, capsys, args, msg):
     assert main(["bench-learner", *args, "--out", str(out)]) == 2
     assert msg in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_bench_learner_help_names_torch_profile_only(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench-learner", "--help"])
+    text = capsys.readouterr().out
+    assert "--torch-profile CSV" in text and "--profile" not in text.replace("--torch-profile", "")
+
+
+def test_timing_summary():
+    from minite.telemetry import timing_summary
+    t = timing_summary([4.0, 1.0, 3.0, 2.0, 100.0])
+    assert t == {"n": 5, "median": 3.0, "q25": 2.0, "q75": 4.0, "min": 1.0, "max": 100.0, "spread": 2.0 / 3.0}
+    assert timing_summary([5.0])["spread"] == 0.0
+    with pytest.raises(ValueError, match="no timings"):
+        timing_summary([])

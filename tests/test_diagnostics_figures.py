@@ -2,7 +2,8 @@
 import pandas as pd
 import pytest
 
-from minite.diagnostics.figures import attribution_waterfall, layer_heatmap
+from minite.diagnostics import figures
+from minite.diagnostics.figures import attribution_waterfall, layer_heatmap, positive_range
 
 
 def _layers():
@@ -21,11 +22,13 @@ def _attr():
     causes = ["weights", "activations", "gemm", "high_precision", "non_gemm"]
     for order, seq in (("forward", causes), ("reverse", causes[::-1])):
         k3 = 1.0
-        for c, d in zip(seq, (0.5, 0.2, 0.1, -0.05, 0.24)):
-            rows.append({"cause": c, "order": order, "k3_before": k3, "k3_after": k3 - d, "delta": d, "share": d / 0.99})
+        for c, d in zip(seq, (0.5, 0.2, 0.1, -0.05, 0.24), strict=True):
+            rows.append({"cause": c, "order": order, "k3_before": k3, "k3_after": k3 - d, "delta": d,
+                         "share": d / 0.99})
             k3 -= d
-    for c, d in zip(causes, (0.4, 0.3, 0.1, 0.09, 0.1)):
-        rows.append({"cause": c, "order": "shapley", "k3_before": 1.0, "k3_after": 0.01, "delta": d, "share": d / 0.99})
+    for c, d in zip(causes, (0.4, 0.3, 0.1, 0.09, 0.1), strict=True):
+        rows.append({"cause": c, "order": "shapley", "k3_before": 1.0, "k3_after": 0.01, "delta": d,
+                     "share": d / 0.99})
     return pd.DataFrame(rows)
 
 
@@ -50,3 +53,25 @@ def test_waterfall_writes_png_and_pdf(tmp_path):
     paths = attribution_waterfall(_attr(), tmp_path / "attribution_waterfall")
     assert sorted(p.suffix for p in paths) == [".pdf", ".png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def _norm_of(monkeypatch, draw):
+    """The colour norm (vmin, vmax) of the heatmap ``draw()`` makes (save_figure intercepted)."""
+    seen = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, stem: seen.append(fig.axes[0].collections[0].norm))
+    draw()
+    return seen[0].vmin, seen[0].vmax
+
+
+def test_heatmap_shared_colour_scale(tmp_path, monkeypatch):
+    small, large = _layers(), _layers().assign(value=lambda d: d["value"] * 100)
+    assert positive_range([small]) == (pytest.approx(3e-3), pytest.approx(0.1))   # zeros are not on the scale
+    assert positive_range([small.assign(value=0.0)]) is None
+    shared = positive_range([small, large])
+    assert shared == (pytest.approx(3e-3), pytest.approx(10.0))
+    own = _norm_of(monkeypatch, lambda: layer_heatmap(small, tmp_path / "a"))
+    assert own == (pytest.approx(3e-3), pytest.approx(0.1))               # by default: its own values
+    fixed = _norm_of(monkeypatch, lambda: layer_heatmap(small, tmp_path / "b", vrange=shared))
+    assert fixed == shared                                               # given: every arm the same scale
+    zero = _norm_of(monkeypatch, lambda: layer_heatmap(small.assign(value=0.0), tmp_path / "c", vrange=shared))
+    assert zero == shared                                                # an all-zero arm keeps the scale

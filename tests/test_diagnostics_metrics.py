@@ -97,3 +97,16 @@ def test_bad_inputs_raise():
 def test_align_trainer_logprobs():
     t = torch.tensor([[-1.0, -2.0]])
     assert align_trainer_logprobs(t).tolist() == [[0.0, -1.0, -2.0]]
+
+
+def test_every_metric_has_a_definition():
+    """mismatch.json embeds DEFINITIONS: every metric it writes is defined (formula, direction, units)."""
+    from minite.diagnostics.localise import ROUNDING_THRESHOLD
+    from minite.diagnostics.metrics import DEFINITIONS
+    m = mismatch_metrics(*_pair())
+    assert set(m) <= set(DEFINITIONS)
+    for key in [*m, "first_divergence"]:
+        assert {"formula", "better", "units"} <= set(DEFINITIONS[key]), key
+    assert DEFINITIONS["first_divergence"]["threshold"] == ROUNDING_THRESHOLD == 0.0078125
+    assert DEFINITIONS["frac_dlogp_gt_0.1"]["threshold"] == 0.1
+    assert "lower" in DEFINITIONS["k3"]["better"] and "higher" in DEFINITIONS["pearson_p"]["better"]

@@ -1,5 +1,5 @@
 """The Snakemake pipeline: dry-runs of every named target (cpu and h200 profiles), config validation,
-single-arm reruns, and the embedded default `throughput_table` end to end on CPU (slow).
+single-arm reruns, and the README's first command on a fresh clone, end to end on CPU (slow).
 
 Dry-runs work on a copy of the workflow files in a temporary directory, so results, .snakemake metadata
 and touched config files never land in the checkout.
@@ -36,8 +36,8 @@ def smk(wf, *args, check=True):
     """snakemake in the copy; its jobs run the installed minite (pip install -e .) with this interpreter."""
     r = subprocess.run([*SNAKEMAKE, "--nocolor", *args], cwd=wf, capture_output=True, text=True, timeout=600)
     if check and r.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n"
-                             f"{r.stderr[-3000:]}")
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({r.returncode}):\n"
+                             f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
 
 
@@ -59,7 +59,8 @@ def test_dry_run_every_target_cpu(wf):
     jobs = dry(wf, *TARGETS)
     assert all(jobs.get(t) == 1 for t in TARGETS), jobs
     # one job per configured arm; the attribution runs once, inside one arm's diagnose
-    assert jobs["bench_learner"] == jobs["rl"] == jobs["eval"] == jobs["figure_layers"] == 3
+    assert jobs["bench_learner"] == jobs["rl"] == jobs["eval"] == 3
+    assert jobs["figure_layers"] == 1                      # all arms' heatmaps at once: one colour scale
     assert jobs["diagnose"] + jobs["diagnose_with_attribution"] == 3 and jobs["diagnose_with_attribution"] == 1
     assert jobs["sft"] == 1 and jobs["notebook"] == 3 and jobs["kernel_bench_csv"] == 1
 
@@ -127,7 +128,7 @@ def test_editing_one_arm_yaml_reruns_only_that_arm(wf):
 
 def test_job_flags_come_from_the_config(wf):
     r = smk(wf, "-n", "-p", "results/cpu/bf16/learner.json", "--config", "profile=cpu")
-    assert "--model tiny --device cpu --steps 3 --warmup 1" in r.stdout
+    assert "--model tiny --device cpu --steps 30 --warmup 3" in r.stdout
     # a --configfile holding only the keys to change; a mapping renders as a repeated KEY=VALUE flag
     (wf / "more.yaml").write_text("jobs:\n  rl:\n    args:\n      steps: 7\n"
                                   "      set: {rl.group_size: 8, rl.lr: 1.0e-5}\n")
@@ -135,6 +136,47 @@ def test_job_flags_come_from_the_config(wf):
     cmd = next(ln for ln in r.stdout.splitlines() if "minite rl --arm bf16" in ln)
     assert "--steps 7 --ckpt-every 10 --set rl.group_size=8 --set rl.lr=1e-05" in cmd
     assert "--init results/cpu/sft --out results/cpu/bf16" in cmd
+
+
+def test_sft_is_done_only_when_its_weights_exist(wf):
+    """sft.json without the weights (deleted, or never copied) is not a finished warm start: the RL jobs
+    would fail on it, so the pipeline reruns sft first."""
+    sft = wf / "results" / "cpu" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "sft.json").write_text("{}")
+    assert dry(wf, "results/cpu/bf16/stability_summary.json").get("sft") == 1
+    (sft / "weights").mkdir()
+    (sft / "weights" / "config.json").write_text("{}")
+    assert "sft" not in dry(wf, "results/cpu/bf16/stability_summary.json", "--rerun-triggers", "mtime")
+    # a profile whose RL config trains no SFT (the model's own checkpoint): sft.json alone marks it done
+    assert "weights" not in smk(wf, "-n", "-p", "results/b300/sft/sft.json", "--profile",
+                                "workflow/profiles/b300").stdout.split("rule sft:")[1].split("rule ")[0]
+
+
+def test_reference_runs_are_read_only(wf):
+    r = smk(wf, "-n", "throughput_table", "--config", "results=results/reference/cpu", check=False)
+    assert r.returncode != 0 and "read-only" in r.stdout + r.stderr
+
+
+def test_table_sets_the_reference_run_beside(wf):
+    r = smk(wf, "-n", "-p", "throughput_table")
+    assert "--reference" not in r.stdout                    # no reference run of this profile here
+    for arm in ARMS:
+        ref = wf / "results" / "reference" / "cpu" / arm / "learner.json"
+        ref.parent.mkdir(parents=True)
+        ref.write_text("{}")
+    r = smk(wf, "-n", "-p", "throughput_table")
+    cmd = next(ln for ln in r.stdout.splitlines() if "minite.report table" in ln)
+    assert "--reference results/reference/cpu" in cmd and "--results results/cpu" in cmd
+    assert "bench_learner" in job_counts(r.stdout)           # a reference never stands in for a measurement
+
+
+def test_recorded_paths_are_relative(wf):
+    """Inputs and params name files relative to the repository: nothing a run records names the machine."""
+    r = smk(wf, "-n", "-p", "all")
+    jobs = r.stdout.split("Building DAG of jobs...", 1)[1]   # after snakemake's own header (it names its dirs)
+    assert "input: configs/arms/" in jobs and "notebooks/drift.ipynb" in jobs
+    assert str(wf) not in jobs
 
 
 @pytest.mark.parametrize("config, message", [
@@ -154,23 +196,48 @@ def test_unknown_arm_output_is_not_a_target(wf):
 
 
 @pytest.mark.slow
-def test_throughput_table_end_to_end_cpu(wf):
-    """The embedded default: `snakemake --cores all throughput_table` on CPU makes the table and figure."""
+def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
+    """The README's first command on a fresh clone: `snakemake --cores 2 throughput_table` measures all three
+    arms with this commit's code (provenance sha = the clone's HEAD, not dirty), writes only git-ignored
+    files, and is up to date afterwards; its HTML report builds."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k != "MINITE_GIT_SHA"}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    # the jobs run the installed minite (pip install -e . of this checkout: the clone's commit, as CI has it)
+
+    def run(*args, timeout=600):
+        r = subprocess.run([*SNAKEMAKE, "--nocolor", *args], cwd=clone, capture_output=True, text=True,
+                           env=env, timeout=timeout)
+        assert r.returncode == 0, f"snakemake {' '.join(args)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        return r
+
     t0 = time.perf_counter()
-    smk(wf, "--cores", "all", "throughput_table")
+    r = run("--cores", "2", "throughput_table")
     elapsed = time.perf_counter() - t0
-    r = wf / "results" / "cpu"
-    df = pd.read_csv(r / "throughput_table.csv")
-    assert list(df.columns) == ["arm", "tokens_per_s", "ratio_vs_bf16", "ratio_vs_naive", "step_ms", "peak_mem_gb",
-                                "device", "model", "layers", "sha"]
-    assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all()
+    assert job_counts(r.stdout + r.stderr).get("bench_learner") == 3   # measured, not re-plotted
+    res = clone / "results" / "cpu"
+    df = pd.read_csv(res / "throughput_table.csv")
+    assert list(df.columns) == [
+        "arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "flag",
+        "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
+        "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
+        "gpu_driver"]
+    assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()
+    assert (df["sha"] == head).all(), (df["sha"].tolist(), head)       # this commit, clean tree
     assert df.loc[df["arm"] == "bf16", "ratio_vs_bf16"].item() == 1.0
     assert (df["model"] == "tiny").all() and df["device"].str.startswith("cpu").all()
-    assert "33,540" in (r / "throughput_table.md").read_text()
+    md = (res / "throughput_table.md").read_text()
+    assert "33,540" in md and "Beside the reference" in md             # the committed reference, labelled
     for ext, magic in (("png", b"\x89PNG"), ("pdf", b"%PDF")):
-        assert (r / "figures" / f"throughput.{ext}").read_bytes()[:4] == magic
-    print(f"throughput_table end to end: {elapsed:.0f} s")
-    assert "Nothing to be done" in smk(wf, "-n", "throughput_table").stdout  # and it is up to date after
-    smk(wf, "--report", "report.html", "throughput_table")   # the HTML report, with the rst captions
-    html = (wf / "report.html").read_text()
+        assert (res / "figures" / f"throughput.{ext}").read_bytes()[:4] == magic
+    print(f"fresh clone throughput_table: {elapsed:.0f} s")
+    assert "Nothing to be done" in run("-n", "throughput_table").stdout  # and it is up to date after
+    run("--report", "report.html", "throughput_table")                   # the HTML report, with the rst captions
+    html = (clone / "report.html").read_text()
     assert "throughput.png" in html and "33,540 tokens/s on one B300 node" in html
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
+                            check=True).stdout
+    assert status == "", status                                          # no tracked file touched, nothing new

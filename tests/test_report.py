@@ -16,10 +16,15 @@ ARMS = ["bf16", "naive_te_nvfp4", "minite_nvfp4"]
 TPS = {"bf16": 1000.0, "naive_te_nvfp4": 800.0, "minite_nvfp4": 1390.0}
 
 
-def learner_record(arm, tps, **kw):
-    rec = dict(tokens_per_s=tps, step_ms=16 * 64 / tps * 1e3, peak_mem_gb=1.25, model="tiny", layers=2,
-               device="cpu (x86_64, 2 cores)", sha="0123456789ab", command=f"python -m minite bench-learner --arm {arm}",
-               date="2026-11-29T12:00:00+00:00", step_split_ms={"gemm": 1.0})
+def learner_record(arm, tps, steps=None, **kw):
+    """A learner.json as bench-learner writes it: ``steps`` = the per-step times as multiples of the median
+    (default: 10 steps within +-2%, a steady machine)."""
+    med = 16 * 64 / tps * 1e3
+    rel = steps if steps is not None else [0.98, 0.99, 0.99, 1.0, 1.0, 1.0, 1.0, 1.01, 1.01, 1.02]
+    rec = dict(tokens_per_s=tps, step_ms=med, step_ms_all=[med * r for r in rel], peak_mem_gb=1.25, model="tiny",
+               layers=2, device="cpu (x86_64, 2 cores)", sha="0123456789ab",
+               command=f"python -m minite bench-learner --arm {arm}", date="2026-11-29T12:00:00+00:00",
+               torch="2.13.0+cpu", triton="3.9.0", gpu_driver=None, step_split_ms={"gemm": 1.0, "other": 2.0})
     rec.update(kw)
     return rec
 
@@ -50,13 +55,95 @@ def test_table_columns_ratios_and_files(results):
     csv = pd.read_csv(results / "throughput_table.csv")
     assert list(csv.columns) == tables.COLUMNS and len(csv) == 3
     assert csv["tokens_per_s"].tolist() == [TPS[a] for a in ARMS]
+    assert csv["flag"].isna().all() and (csv["n_steps"] == 10).all()         # steady: nothing flagged
     md = (results / "throughput_table.md").read_text()
     for paper in ("33,540", "1.39x", "1.47x"):              # the paper's numbers beside ours
         assert paper in md
     assert "1,390" in md and "1.74x" in md                 # ours (1390 / 800 = 1.7375)
     assert "0123456789ab" in md and "bench-learner --arm minite_nvfp4" in md and "2026-11-29" in md
+    assert "| 2.13.0+cpu | 3.9.0 | none |" in md           # torch, triton, GPU driver in the provenance table
+    assert not _warned_rows(md) and "Beside the reference" not in md
     tex = (results / "throughput_table.tex").read_text()
     assert "\\toprule" in tex and "naive\\_te\\_nvfp4" in tex and "1.39" in tex
+
+
+def test_spread_and_ratio_range_from_the_step_times(tmp_path):
+    """tokens/s quartiles from the step-time quartiles; the ratio's range divides opposite quartiles."""
+    write_json(tmp_path / "bf16" / "learner.json", learner_record("bf16", 1000.0, steps=[0.9, 1.0, 1.0, 1.0, 1.2]))
+    write_json(tmp_path / "minite_nvfp4" / "learner.json",
+               learner_record("minite_nvfp4", 2000.0, steps=[0.8, 1.0, 1.0, 1.0, 1.0]))
+    df = tables.throughput_table(load.load_learner(tmp_path, ["bf16", "minite_nvfp4"])).set_index("arm")
+    b, m = df.loc["bf16"], df.loc["minite_nvfp4"]
+    assert b.n_steps == 5 and b.spread == pytest.approx(0.0) and b.flag == ""   # q25 = q75 = median
+    assert m.tokens_per_s_q25 == pytest.approx(2000.0) and m.tokens_per_s_q75 == pytest.approx(2000.0)
+    assert m.ratio_vs_bf16 == pytest.approx(2.0)
+    assert m.ratio_vs_bf16_lo == pytest.approx(2.0) and m.ratio_vs_bf16_hi == pytest.approx(2.0)
+    write_json(tmp_path / "bf16" / "learner.json",                          # bf16 quartiles 0.96 / 1.04
+               learner_record("bf16", 1000.0, steps=[0.92, 0.96, 1.0, 1.04, 1.08]))
+    df = tables.throughput_table(load.load_learner(tmp_path, ["bf16", "minite_nvfp4"])).set_index("arm")
+    b, m = df.loc["bf16"], df.loc["minite_nvfp4"]
+    assert b.spread == pytest.approx(0.08) and b.flag == ""                 # under the 10% limit: trusted
+    assert b.tokens_per_s_q25 == pytest.approx(1000 / 1.04) and b.tokens_per_s_q75 == pytest.approx(1000 / 0.96)
+    assert m.ratio_vs_bf16_lo == pytest.approx(2000 / (1000 / 0.96))
+    assert m.ratio_vs_bf16_hi == pytest.approx(2000 / (1000 / 1.04))
+    assert b.ratio_vs_bf16 == b.ratio_vs_bf16_lo == b.ratio_vs_bf16_hi == 1.0
+
+
+@pytest.mark.parametrize("steps, flag", [([0.7, 0.9, 1.0, 1.2, 1.5], "spread 30% > 10%"),
+                                         ([0.99, 1.0, 1.01], "only 3 timed steps"),
+                                         (None, "")])
+def test_noisy_rows_are_flagged(results, steps, flag):
+    """The trust rule: too few steps or an interquartile range above 10% of the median flags the row, and
+    every ratio involving it is marked."""
+    write_json(results / "naive_te_nvfp4" / "learner.json", learner_record("naive_te_nvfp4", 800.0, steps=steps))
+    df = tables.write_throughput_table(results, ARMS)
+    assert df.set_index("arm").loc["naive_te_nvfp4", "flag"] == flag
+    assert (df.set_index("arm").drop("naive_te_nvfp4")["flag"] == "").all()
+    md = (results / "throughput_table.md").read_text()
+    minite_row = next(ln for ln in md.splitlines() if ln.startswith("| minite_nvfp4 |"))
+    bf16_row = next(ln for ln in md.splitlines() if ln.startswith("| bf16 |"))
+    if flag:
+        assert flag in md and "⚠" in minite_row.split("|")[7]             # minite vs naive: untrusted
+        assert "⚠" not in minite_row.split("|")[6]                         # minite vs bf16: both steady
+        assert "⚠" in bf16_row.split("|")[7]
+    else:
+        assert not _warned_rows(md)
+
+
+def test_reference_run_beside_the_new_one(results, tmp_path):
+    """The committed reference run of the profile, labelled with its own sha, device and date."""
+    ref = tmp_path / "reference" / "cpu"
+    for arm in ARMS:
+        write_json(ref / arm / "learner.json", learner_record(arm, TPS[arm] / 2, sha="fedcba987654",
+                                                             date="2026-10-01T00:00:00+00:00", triton=None))
+    tables.write_throughput_table(results, ARMS, reference_dir=ref)
+    md = (results / "throughput_table.md").read_text()
+    head, ref_part = md.split("## Beside the reference (fedcba987654, cpu (x86_64, 2 cores), 2026-10-01)")
+    assert "1,390" in head and "695" in ref_part and "1,390" not in ref_part.split("## Paper")[0]
+    assert "this run: 0123456789ab" in head
+    csv = pd.read_csv(results / "throughput_table.csv")
+    assert csv["tokens_per_s"].tolist() == [TPS[a] for a in ARMS]           # the csv is this run only
+    write_json(ref / "bf16" / "learner.json", learner_record("bf16", 1.0, layers=4))
+    md = tables.to_markdown(tables.throughput_table(load.load_learner(results, ARMS)), load.load_learner(results, ARMS),
+                            "cpu", {"bf16": load.load_learner(ref, ["bf16"])["bf16"]})
+    assert "another model slice" in md
+
+
+def test_old_records_without_step_times_or_versions(tmp_path):
+    """Results written before per-step times and versions were recorded still tabulate, and say so."""
+    rec = learner_record("bf16", 10.0)
+    for key in ("step_ms_all", "triton", "gpu_driver"):
+        del rec[key]
+    write_json(tmp_path / "bf16" / "learner.json", rec)
+    learner = load.load_learner(tmp_path, ["bf16"])
+    df = tables.throughput_table(learner)
+    assert df["n_steps"].item() == 1 and df["flag"].item() == "only 1 timed steps"
+    assert "| not recorded | not recorded |" in tables.to_markdown(df, learner, "cpu")
+
+
+def _warned_rows(md: str) -> list[str]:
+    """The table rows of a throughput markdown that carry the untrusted-ratio mark."""
+    return [ln for ln in md.splitlines() if ln.startswith("| ") and "⚠" in ln]
 
 
 def test_ratios_missing_reference_arm_are_nan(results):
@@ -139,12 +226,69 @@ def test_figures_write_png_and_pdf(results):
     figures.throughput_bars(df, out / "throughput")
     figures.drift(stab, out / "drift", load.load_stability_summary(results, ARMS))
     figures.reward_eval(stab, load.load_evals(results, ARMS), out / "reward_eval")
-    for stem in ("throughput", "drift", "reward_eval"):
+    figures.step_split(load.load_learner(results, ARMS), out / "step_split")
+    for stem in ("throughput", "drift", "reward_eval", "step_split"):
         assert _is_image(out / f"{stem}.png", b"\x89PNG")
         assert _is_image(out / f"{stem}.pdf", b"%PDF")
+        assert (out / f"{stem}.png").stat().st_mode & 0o777 == 0o666 & ~_umask()   # not mkstemp's 0600
     assert not list(out.glob(".*.tmp"))                     # atomic writes left no temporaries
     fig = figures.drift(stab)                               # no stem: the open figure, for notebooks
     assert len(fig.axes) == 2 and all(ax.get_yscale() == "log" for ax in fig.axes)
+
+
+def _umask():
+    import os
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def _overlaps(fig, legend, artists) -> list:
+    """The artists whose drawn extent intersects the legend's (display coordinates)."""
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    return [a for a in artists if a.get_window_extent().overlaps(box)]
+
+
+def test_drift_legend_below_and_zero_floor_labelled_in_every_panel(results):
+    fig = figures.drift(load.load_stability(results, ARMS), summaries=load.load_stability_summary(results, ARMS))
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    assert not _overlaps(fig, fig.legends[0], fig.axes)      # the legend sits outside both panels
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "miniTE NVFP4 (exact 0 at every step)" in labels and "naive TE NVFP4 drift alarm" in labels
+    for ax in fig.axes:                                      # minite's zeros: the same words in each panel
+        notes = [t.get_text() for t in ax.texts if t.get_text().startswith("exact 0 (drawn at ")]
+        assert len(notes) == 1
+        floor = float(notes[0].split("drawn at ")[1].rstrip(")"))
+        green = ax.lines[5]                                  # minite's smoothed curve: flat at the floor
+        assert all(y == pytest.approx(floor, rel=0.5) for y in green.get_ydata())
+
+
+def test_reward_eval_full_range_error_bars_and_legend(results):
+    evals = load.load_evals(results, ARMS)
+    fig = figures.reward_eval(load.load_stability(results, ARMS), evals)
+    left, right = fig.axes
+    assert left.get_ylim() == (0.0, 1.0) and right.get_ylim()[0] == 0.0 and right.get_ylim()[1] >= 1.0
+    assert len(fig.legends) == 1 and [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "BF16", "naive TE NVFP4", "miniTE NVFP4"]
+    assert any("error bars" in t.get_text() for t in right.texts)
+    err, what = figures.eval_error(evals, "mean@4")          # no per-prompt scores: the s.e. bound
+    assert "sqrt(p(1-p)/n_prompts)" in what or "none" in what
+    evals = evals.assign(n_prompts=64)
+    err, what = figures.eval_error(evals, "mean@4")
+    assert err.iloc[1] == pytest.approx((0.2 * 0.8 / 64) ** 0.5) and "sqrt" in what
+    assert figures.eval_error(evals.assign(**{"mean@4_se": 0.01}), "mean@4")[0].eq(0.01).all()
+    fig = figures.reward_eval(load.load_stability(results, ARMS), evals)
+    caps = [c for c in fig.axes[1].containers]               # one errorbar container per arm
+    assert len(caps) == 3
+
+
+def test_step_split_legend_beside_the_bars(results):
+    fig = figures.step_split(load.load_learner(results, ARMS))
+    ax = fig.axes[0]
+    assert len(ax.patches) == 3 * 2                          # 3 arms x 2 phases
+    assert not _overlaps(fig, ax.get_legend(), ax.patches)
+    assert figures.step_split({"bf16": {"tokens_per_s": 1.0}}) is None
 
 
 def test_drift_figure_requires_the_metrics(results, tmp_path):
@@ -158,6 +302,8 @@ def test_kernel_figure(tmp_path):
                  device="H200", sha="x") for p, f in (("cublas_bf16", 1.0), ("ours", 2.0)) for m in (1, 16, 4096)]
     figures.kernel_throughput(pd.DataFrame(rows), tmp_path / "kernels")
     assert _is_image(tmp_path / "kernels.png", b"\x89PNG")
+    fig = figures.kernel_throughput(pd.DataFrame(rows))      # log-log: M = 1 is visible beside M = 4096
+    assert all(ax.get_yscale() == "log" and ax.get_xscale() == "log" for ax in fig.axes if ax.lines)
     with pytest.raises(load.ResultError, match="needs columns"):
         figures.kernel_throughput(pd.DataFrame({"M": [1]}), tmp_path / "k2")
 
@@ -180,8 +326,9 @@ def _diagnostics(results, arms=ARMS):
                      + [{"layer": -1, "op": "logits", "metric": "rel_err", "value": 2e-3}]).to_csv(
             d / "layers.csv", index=False)
     causes = ["weights", "activations"]
-    pd.DataFrame([{"cause": c, "order": o, "k3_before": 2e-4 if i == 0 else 1e-4, "k3_after": 1e-4 if i == 0 else 0.0,
-                   "delta": 1e-4, "share": 0.5} for o in ("forward", "reverse", "shapley") for i, c in enumerate(causes)]
+    pd.DataFrame([{"cause": c, "order": o, "k3_before": 2e-4 if i == 0 else 1e-4,
+                   "k3_after": 1e-4 if i == 0 else 0.0, "delta": 1e-4, "share": 0.5}
+                  for o in ("forward", "reverse", "shapley") for i, c in enumerate(causes)]
                  ).to_csv(results / "naive_te_nvfp4" / "diagnostics" / "attribution.csv", index=False)
 
 
@@ -191,11 +338,44 @@ def test_diagnostics_figures_reuse_the_diagnostics_helpers(results):
     diag = load.load_diagnostics(results, ARMS)
     assert "attribution" in diag["naive_te_nvfp4"] and "attribution" not in diag["bf16"]
     out = results / "figures"
-    diagnostics.layers(diag, "minite_nvfp4", out / "layers_minite_nvfp4")
+    written = diagnostics.layers(diag, out / "layers")
+    assert set(written) == set(ARMS)
     diagnostics.attribution(diag, out / "attribution")
-    assert _is_image(out / "layers_minite_nvfp4.png", b"\x89PNG") and _is_image(out / "attribution.pdf", b"%PDF")
+    for arm in ARMS:
+        assert _is_image(out / f"layers_{arm}.png", b"\x89PNG")
+    assert _is_image(out / "attribution.pdf", b"%PDF")
     with pytest.raises(load.ResultError, match="attribution"):
         diagnostics.attribution({a: d for a, d in diag.items() if a != "naive_te_nvfp4"}, out / "none")
+    with pytest.raises(load.ResultError, match="layers.csv"):
+        diagnostics.layers({**diag, "bf16": {"mismatch": {}}}, out / "none")
+
+
+def test_layer_heatmaps_share_one_colour_scale(results, monkeypatch):
+    from minite.diagnostics import figures as dfig
+    from minite.report import diagnostics
+    _diagnostics(results)
+    diag = load.load_diagnostics(results, ARMS)
+    norms = []
+    monkeypatch.setattr(dfig, "save_figure", lambda fig, stem: norms.append(fig.axes[0].collections[0].norm))
+    diagnostics.layers(diag, results / "figures" / "layers")
+    assert len(norms) == 3 and len({(n.vmin, n.vmax) for n in norms}) == 1
+    assert (norms[0].vmin, norms[0].vmax) == (pytest.approx(1e-3), pytest.approx(2e-3))
+
+
+def test_attribution_title_says_which_tokens():
+    from minite.report.diagnostics import attribution_title
+    title = attribution_title({"settings": {"prompts": 16}, "attribution_settings": {"prompts": 8}})
+    assert "8 prompts" in title and "16 prompts" in title and "not comparable" in title
+
+
+def test_metric_definitions_from_the_results_or_the_code():
+    from minite.diagnostics.metrics import DEFINITIONS
+    from minite.report.diagnostics import definitions_table
+    t = definitions_table(None, ["k3", "first_divergence"])
+    assert list(t.index) == ["k3", "first_divergence"] and t.loc["first_divergence", "threshold"] == 0.0078125
+    assert t.loc["k3", "better"] == DEFINITIONS["k3"]["better"]
+    own = {"k3": {"formula": "f", "better": "b", "units": "u"}}
+    assert definitions_table({"definitions": own}).loc["k3", "formula"] == "f"   # what the file says wins
 
 
 @pytest.mark.slow
@@ -208,13 +388,18 @@ def test_notebooks_execute_on_results(results, nb):
     out = results / "notebooks" / f"{nb}.ipynb"
     out.parent.mkdir(parents=True, exist_ok=True)
     repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    reference = results.parent / "reference"                 # a reference run beside the new one
+    write_json(reference / "bf16" / "learner.json", learner_record("bf16", 500.0, sha="fedcba987654"))
     papermill.execute_notebook(str(repo / "notebooks" / f"{nb}.ipynb"), str(out), kernel_name="python3",
-                               parameters={"results_dir": str(results), "arms": ARMS}, progress_bar=False,
-                               cwd=str(results))
+                               parameters={"results_dir": str(results), "reference_dir": str(reference),
+                                           "arms": ARMS}, progress_bar=False, cwd=str(results))
     cells = nbformat.read(out, 4).cells
     outputs = [o for c in cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2   # it plotted
+    if nb == "throughput":
+        md = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+        assert "Beside the reference (fedcba987654" in md
 
 
 def test_git_sha_prefers_minite_git_sha(monkeypatch):
@@ -226,3 +411,12 @@ def test_git_sha_prefers_minite_git_sha(monkeypatch):
     monkeypatch.setenv("MINITE_GIT_SHA", "0123abc")
     assert git_sha() == "0123abc"
     assert git_sha(short=True) == "0123abc"
+
+
+def test_provenance_versions_and_relative_paths(tmp_path):
+    from minite.provenance import REPO_ROOT, provenance, repo_relative
+    p = provenance("cpu")
+    assert {"torch", "triton", "python", "cuda", "gpu_driver"} <= set(p)
+    assert p["gpu_driver"] is None and p["cuda"] is None                # a CPU run has neither
+    assert repo_relative(REPO_ROOT / "results" / "cpu" / "x.json") == "results/cpu/x.json"
+    assert repo_relative(tmp_path / "x.json") == str(tmp_path / "x.json")   # outside the repository: as given

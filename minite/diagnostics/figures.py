@@ -6,6 +6,7 @@ Files are written atomically (temporary file, then rename), like every result fi
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -35,35 +36,49 @@ def save_figure(fig, stem: str | Path, formats=("png", "pdf")) -> list[Path]:
     return paths
 
 
-def layer_heatmap(layers: pd.DataFrame, stem: str | Path, metric: str = "rel_err", title: str = "") -> list[Path]:
+def positive_range(tables, metric: str = "rel_err") -> tuple[float, float] | None:
+    """(min, max) of the positive finite ``metric`` values over several layers.csv tables (one colour scale
+    for several arms' heatmaps); None when none is positive."""
+    vals = np.concatenate([t.loc[t["metric"] == metric, "value"].to_numpy(dtype=float) for t in tables] or [[]])
+    pos = vals[np.isfinite(vals) & (vals > 0)]
+    return (float(pos.min()), float(pos.max())) if pos.size else None
+
+
+def layer_heatmap(layers: pd.DataFrame, stem: str | Path, metric: str = "rel_err", title: str = "",
+                  vrange: tuple[float, float] | None = None) -> list[Path]:
     """Heatmap layer x op of ``metric`` (relative error ||a - b|| / ||b||), log colour scale.
 
-    Exact zeros (bitwise-equal engines) cannot sit on a log scale: they are drawn in a separate light colour
-    and annotated "0". The final logits appear as a last row labelled "logits".
+    ``vrange`` fixes the colour scale (``positive_range`` over several arms: the same colour is the same error
+    in every arm's heatmap); by default it spans this table's positive values. Exact zeros (bitwise-equal
+    engines) cannot sit on a log scale: they are drawn in a separate light colour and annotated "0". The
+    final logits appear as a last row labelled "logits".
     """
     d = layers[layers["metric"] == metric]
     if d.empty:
         raise ValueError(f"no rows with metric {metric!r} to plot")
-    d = d.assign(row=[("logits" if op == "logits" else str(int(layer))) for layer, op in zip(d["layer"], d["op"])])
+    d = d.assign(row=[("logits" if op == "logits" else str(int(layer)))
+                      for layer, op in zip(d["layer"], d["op"], strict=True)])
     ops = [o for o in OP_ORDER if o in set(d["op"])] + sorted(set(d["op"]) - set(OP_ORDER))
     layer_rows = sorted({int(x) for x in d.loc[d["op"] != "logits", "layer"]})
     rows = [str(x) for x in layer_rows] + (["logits"] if (d["op"] == "logits").any() else [])
     grid = d.pivot_table(index="row", columns="op", values="value", aggfunc="first").reindex(index=rows, columns=ops)
     vals = grid.to_numpy(dtype=float)
-    pos = vals[np.isfinite(vals) & (vals > 0)]
+    vrange = vrange or positive_range([d], metric)
     fig, ax = plt.subplots(figsize=(1.3 * len(ops) + 2.5, 0.45 * len(rows) + 1.8))
     annot = np.vectorize(lambda v: "" if not np.isfinite(v) else ("0" if v == 0 else f"{v:.1e}"))(vals)
-    if pos.size:
-        vmin, vmax = float(pos.min()), float(pos.max())
+    if vrange is not None:
+        vmin, vmax = vrange
         norm = LogNorm(vmin=vmin, vmax=vmax if vmax > vmin else vmin * 10)
-        sns.heatmap(grid.where(grid > 0), ax=ax, norm=norm, cmap="rocket_r", annot=annot, fmt="",
-                    annot_kws={"size": 7}, cbar_kws={"label": f"{metric} (log scale)"}, linewidths=0.5)
+        with warnings.catch_warnings():  # an all-zero arm on a shared scale: nothing to colour, same colour bar
+            warnings.simplefilter("ignore", RuntimeWarning)
+            sns.heatmap(grid.where(grid > 0), ax=ax, norm=norm, cmap="rocket_r", annot=annot, fmt="",
+                        annot_kws={"size": 7}, cbar_kws={"label": f"{metric} (log scale)"}, linewidths=0.5)
     else:
         sns.heatmap(grid * 0, ax=ax, cmap="Greys", vmin=0, vmax=1, annot=annot, fmt="", cbar=False, linewidths=0.5)
     zeros = np.argwhere(vals == 0)
     for i, j in zeros:  # exact agreement: its own colour
         ax.add_patch(plt.Rectangle((j, i), 1, 1, color="#dff0d8", zorder=0.5))
-        if pos.size:  # seaborn skips annotations of masked cells
+        if vrange is not None:  # seaborn skips annotations of masked cells
             ax.text(j + 0.5, i + 0.5, "0", ha="center", va="center", fontsize=7)
     ax.set_facecolor("#f5f5f5")
     ax.set_xlabel("op (execution order)")
@@ -80,7 +95,7 @@ def attribution_waterfall(attr: pd.DataFrame, stem: str | Path, title: str = "",
         raise ValueError("attribution table has no forward/reverse/shapley rows")
     fig, axes = plt.subplots(1, len(orders), figsize=(4.6 * len(orders), 4.2), squeeze=False, sharey=True)
     palette = sns.color_palette("deep")
-    for ax, order in zip(axes[0], orders):
+    for ax, order in zip(axes[0], orders, strict=True):
         d = attr[attr["order"] == order].reset_index(drop=True)
         if order == "shapley":  # a waterfall needs a running level: stack Shapley values from the start
             start = float(d["k3_before"].iloc[0])

@@ -34,12 +34,18 @@ importance ratio log pi_train / pi_rollout), means are over all masked tokens of
 
 Errors: mismatched shapes, an empty mask, or a NaN/Inf log-prob on a masked token raise ``ValueError``
 (a non-finite log-prob would silently poison every mean).
+
+``DEFINITIONS`` says the same per metric in a form a result can carry: formula, which way is better, units,
+thresholds and source. ``mismatch.json`` embeds it (``definitions``) and the report shows it, so a reader of
+either never has to come back here.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from minite.diagnostics.localise import ROUNDING_THRESHOLD
 
 #: verl's clamp on log ratios before exponentiating (rollout_corr_helper.SAFETY_BOUND).
 SAFETY_BOUND = 20.0
@@ -48,6 +54,69 @@ DLOGP_THRESHOLD = 0.1
 #: The keys every mismatch.json carries (the issue's contract); the rest are extras.
 CORE_KEYS = ("k1", "k3", "chi2", "token_mult_prob_error", "max_abs_dp", "mean_abs_dp", "pearson_p",
              "frac_dlogp_gt_0.1", "n_tokens")
+
+_R = "r = logp_t - logp_s per scored token (trainer minus sampler log-prob); means over all scored tokens"
+_LOWER0, _NATS = "lower; 0 = identical engines", "nats per token"
+
+
+def _d(formula, better, units, source=None, **extra) -> dict:
+    return {"formula": formula, "better": better, "units": units, **({"source": source} if source else {}), **extra}
+
+
+#: Every metric of mismatch.json: formula, which way is better, units, thresholds, source.
+DEFINITIONS = {
+    "n_tokens": _d("number of scored (response) tokens", "more = a tighter estimate", "tokens"),
+    "n_sequences": _d("number of sequences with a scored token", "more = a tighter estimate", "sequences"),
+    "k1": _d(f"mean(-r); {_R}", "closer to 0 (an unbiased estimate of KL(sampler || trainer); a sample can "
+             "make it negative)", _NATS, "verl rollout_corr/kl"),
+    "k3": _d("mean(exp(r) - r - 1) >= 0", _LOWER0, _NATS, "verl rollout_corr/k3_kl (Schulman's k3 estimator of "
+             "KL(sampler || trainer))"),
+    "chi2": _d(f"mean(exp(2 clamp(r, +-{SAFETY_BOUND:g}))) - 1", "closer to 0 (the variance of the per-token "
+               "importance weight; a sample can make it slightly negative)", "dimensionless",
+               "verl rollout_corr/chi2_token"),
+    "chi2_seq": _d(f"mean_b(exp(2 clamp(R_b, +-{SAFETY_BOUND:g}))) - 1, R_b = sum of r over sequence b",
+                   "closer to 0", "dimensionless", "verl rollout_corr/chi2_seq"),
+    "token_mult_prob_error": _d("mean(exp(|r|)) >= 1", "lower; 1 = identical engines", "multiplicative "
+                                "probability error (ratio)", "NeMo-RL token_mult_prob_error"),
+    "mean_abs_dlogp": _d("mean(|r|)", _LOWER0, _NATS, "TRL sampling/sampling_logp_difference/mean"),
+    "max_abs_dlogp": _d("max(|r|)", _LOWER0, _NATS, "TRL sampling/sampling_logp_difference/max"),
+    "mean_abs_dp": _d("mean(|p_t - p_s|), p = exp(logp)", _LOWER0, "probability",
+                      "verl training/rollout_probs_diff_mean"),
+    "max_abs_dp": _d("max(|p_t - p_s|)", _LOWER0, "probability", "verl training/rollout_probs_diff_max"),
+    "std_abs_dp": _d("std(|p_t - p_s|)", _LOWER0, "probability", "verl training/rollout_probs_diff_std"),
+    "pearson_p": _d("Pearson correlation of p_t and p_s (1.0 when identical; null when one side is constant "
+                    "and they differ)", "higher; 1 = identical engines", "dimensionless",
+                    "verl training/rollout_actor_probs_pearson_corr"),
+    f"frac_dlogp_gt_{DLOGP_THRESHOLD}": _d(f"fraction of tokens with |r| > {DLOGP_THRESHOLD}", _LOWER0,
+                                           "fraction of tokens", threshold=DLOGP_THRESHOLD,
+                                           threshold_meaning="|r| = 0.1 is a ~10% probability error"),
+    "seq_mean_abs_log_ratio": _d("mean_b |R_b|", _LOWER0, "nats per sequence"),
+    "seq_max_abs_log_ratio": _d("max_b |R_b|", _LOWER0, "nats per sequence"),
+    "log_ppl_diff": _d("mean_b d_b, d_b = mean_t logp_s - mean_t logp_t over sequence b", "closer to 0",
+                       _NATS, "verl log_ppl_diff"),
+    "log_ppl_abs_diff": _d("mean_b |d_b|", _LOWER0, _NATS, "verl log_ppl_abs_diff"),
+    "log_ppl_diff_max": _d("max_b d_b", "closer to 0", _NATS, "verl log_ppl_diff_max"),
+    "log_ppl_diff_min": _d("min_b d_b", "closer to 0", _NATS, "verl log_ppl_diff_min"),
+    "training_log_ppl": _d("mean_b(-mean_t logp_t)", "context, not a mismatch (equals rollout_log_ppl when the "
+                           "engines agree)", _NATS),
+    "rollout_log_ppl": _d("mean_b(-mean_t logp_s)", "context, not a mismatch", _NATS),
+    "first_divergence": _d("the first (layer, op), in execution order, whose relative error "
+                           "||a_s - a_t||_F / ||a_t||_F (sampler vs trainer activations) exceeds the threshold; "
+                           "null when none does", "later or null", "layer and op",
+                           "minite.diagnostics.localise", threshold=ROUNDING_THRESHOLD,
+                           threshold_meaning="2**-7 = twice BF16's unit roundoff: engines that only round "
+                           "differently stay below it, NVFP4 quantization (errors ~2**-3..2**-4) lands far "
+                           "above"),
+    "score_replay_max_abs_diff": _d("max |sampler's generation log-prob - its decode-path replay|",
+                                    "0 (the replay the localisation uses reproduces generation exactly)", _NATS),
+}
+
+#: Why the attribution's k3 is not mismatch.json's k3 (both are written; they must not be compared).
+ATTRIBUTION_NOTE = ("attribution.csv's k3 values are measured on other tokens than mismatch.json's k3: the "
+                    "attribution scores the tokens the naive arm's sampler generated for its own prompt count "
+                    "(attribution_settings.prompts), every cause subset on exactly those tokens; mismatch.json "
+                    "scores the arm's own sampler's tokens for settings.prompts prompts. Compare k3 within "
+                    "one file, not across them.")
 
 
 def _as_f64(x, name: str) -> torch.Tensor:

@@ -1,11 +1,15 @@
 """``python -m minite bench-learner``: learner throughput, tokens/s of complete learner updates.
 
 One step = one ``Trainer.update`` (forward, backward, AdamW step over all micro-batches) on random tokens.
-tokens_per_s = tokens per update / median step time over the steps after warm-up. Writes one JSON
-(atomically; nothing on a bad arm/model) with the step split, peak memory, GPU telemetry and provenance.
+tokens_per_s = tokens per update / median step time over the ``--steps`` timed steps after warm-up; the
+JSON also holds every step's time and their spread (``step_ms_stats``: n, median, interquartile range,
+min, max; ``minite.telemetry.timing_summary``), so a reader can tell a measurement from machine noise.
+Writes one JSON (atomically; nothing on a bad arm/model) with the step split, peak memory, GPU telemetry
+and provenance (sha, device, command, date, torch / triton versions, GPU driver).
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -37,7 +41,8 @@ def add_args(p) -> None:
     p.add_argument("--tokens-per-update", type=int, default=None, help="tokens per learner update")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length")
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch")
-    p.add_argument("--steps", type=int, default=5, help="timed updates after warm-up")
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed updates after warm-up (their median is the result, their spread is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed updates first")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--checkpoint", default=None, help="local HF checkpoint dir (default: random init)")
@@ -45,9 +50,10 @@ def add_args(p) -> None:
                    help="NVFP4 weight quantization: once per update or every forward (default: the arm's — "
                         "per_update for minite, per_forward for naive, as te.Linear without is_first_microbatch)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", default=None, metavar="CSV",
+    p.add_argument("--torch-profile", default=None, metavar="CSV",
                    help="after the timed steps, profile one more update with torch.profiler and write its ops "
                         "(and minite.quantize.{weight,act,grad} / minite.gemm ranges) to this CSV")
+    p.add_argument("--profile", dest="torch_profile", default=None, help=argparse.SUPPRESS)  # the old name
     p.add_argument("--out", required=True, help="output JSON path")
 
 
@@ -59,8 +65,8 @@ def _fail(msg: str) -> int:
 def run(args) -> int:
     from minite.engines.arms import ArmError, load_arm
     from minite.engines.models import ModelConfigError, load_model_config
-    from minite.provenance import provenance, write_json
-    from minite.telemetry import GPUTelemetry
+    from minite.provenance import provenance, repo_relative, write_json
+    from minite.telemetry import SPREAD_LIMIT, GPUTelemetry, timing_summary
 
     try:
         arm = load_arm(args.arm)
@@ -113,6 +119,7 @@ def run(args) -> int:
             results.append(r)
     tel.stop()
     step_s = [r["wall_s"] for r in results]
+    stats = timing_summary([t * 1e3 for t in step_s])
     med = statistics.median(step_s)
 
     def split(key):
@@ -129,6 +136,7 @@ def run(args) -> int:
     n_params = sum(p.numel() for p in trainer.params)
     out = {
         "tokens_per_s": tokens / med, "step_ms": med * 1e3, "step_ms_all": [s * 1e3 for s in step_s],
+        "step_ms_stats": stats,
         "step_split_ms": {k: split(k) for k in ("quantize", "gemm", "other", "optimizer")},
         "step_split_note": "medians over timed steps; CUDA events on GPU, host clock on CPU. quantize = NVFP4 "
                            "weight/activation/gradient quantization inside minite's modules; gemm = their "
@@ -148,12 +156,18 @@ def run(args) -> int:
         "input": "random tokens",
     }
     out.update(provenance(device=device))
-    if args.profile:
-        write_profile(args.profile, trainer, batch, cuda, {"arm": arm.name, "sha": out["sha"],
-                                                            "device": out["device"]})
+    if args.torch_profile:
+        out["torch_profile"] = repo_relative(args.torch_profile)
+        write_profile(args.torch_profile, trainer, batch, cuda, {"arm": arm.name, "sha": out["sha"],
+                                                                  "device": out["device"]})
     write_json(args.out, out)
     print(f"{arm.name} {cfg['name']} x{cfg['num_hidden_layers']} layers on {out['device']}: "
-          f"{out['tokens_per_s']:.1f} tokens/s, {out['step_ms']:.1f} ms/update -> {args.out}")
+          f"{out['tokens_per_s']:.1f} tokens/s, {out['step_ms']:.1f} ms/update (median of {stats['n']}; "
+          f"interquartile range {stats['q25']:.1f}-{stats['q75']:.1f} ms) -> {args.out}")
+    if stats["spread"] > SPREAD_LIMIT:
+        print(f"bench-learner: warning: the step times spread by {100 * stats['spread']:.0f}% of their median "
+              f"(interquartile range; limit {100 * SPREAD_LIMIT:.0f}%): the machine was busy, ratios against this "
+              "run are unreliable", file=sys.stderr)
     return 0
 
 

@@ -22,6 +22,7 @@ import logging
 import time
 from pathlib import Path
 
+from minite.diagnostics.metrics import ATTRIBUTION_NOTE, DEFINITIONS
 from minite.jobs import common
 
 log = logging.getLogger(__name__)
@@ -124,13 +125,13 @@ def run(args) -> int:
     record = {**m, "first_divergence": d["first_divergence"],
               "score_replay_max_abs_diff": d["score_replay_max_abs_diff"],
               "captured": d["captured"], "settings": settings,
-              "definitions": "minite.diagnostics.metrics (verl rollout_corr / NeMo-RL / TRL); localisation: "
-                             "minite.diagnostics.localise; attribution: minite.diagnostics.attribution",
+              "definitions": DEFINITIONS,
               "wall_s": time.perf_counter() - t0, "provenance": provenance(device)}
     if attr is not None:
         record["attribution_top_causes"] = [{"cause": c, "share": s} for c, s in top_causes(attr)]
         record["attribution_settings"] = {"prompts": args.attribution_prompts, "tokens": "naive sampler",
-                                          "metric": "k3", "base": args.attribution_base}
+                                          "metric": "k3", "base": args.attribution_base,
+                                          "note": ATTRIBUTION_NOTE}
         if reused is not None:
             record["attribution_source"] = reused
     # tables first, the json last: a crash leaves no mismatch.json that names files of another run

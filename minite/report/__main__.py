@@ -1,10 +1,14 @@
 """``python -m minite.report table|figure ...``: render tables and figures from a results directory.
 
-    python -m minite.report table  --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4
+    python -m minite.report table  --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4 \
+        [--reference results/reference/cpu]
     python -m minite.report figure throughput --results results/cpu --arms ... --out results/cpu/figures/throughput
-    python -m minite.report figure {drift,reward,kernels,layers,attribution,study} ...
+    python -m minite.report figure layers --results results/cpu --arms ... --out results/cpu/figures/layers
+    python -m minite.report figure {drift,reward,kernels,attribution,study} ...
     python -m minite.report results-table --results results/drift --arms bf16 bf16_seed1 naive_te_nvfp4 ...
 (--arms: run directories, an arm or <arm>_seed<N>, for the RL tables and figures)
+
+The committed reference runs (results/reference/<profile>) render the same way: ``--results`` may name one.
 """
 from __future__ import annotations
 
@@ -28,8 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (t, f, r):
         q.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
         q.add_argument("--arms", nargs="+", default=[], help="arms, in display order")
-        q.add_argument("--out", help="output prefix (table) / stem (figure: writes <out>.png and <out>.pdf)")
+        q.add_argument("--out", help="output prefix (table) / stem (figure: writes <out>.png and <out>.pdf; "
+                                     "layers: <out>_<arm>.png and .pdf per arm)")
     t.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
+    t.add_argument("--reference", help="a reference run of the same profile (results/reference/<profile>) to "
+                                       "set beside this one in the markdown, labelled with its provenance")
     f.add_argument("--smooth", type=int, default=5, help="rolling-mean window over RL steps")
     f.add_argument("--no-evals", action="store_true", help="reward figure without the eval panel")
     return p
@@ -38,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.what == "table":
-        df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile)
+        df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile, a.reference)
         print(df.to_string(index=False))
         return 0
     if a.what == "results-table":
@@ -69,10 +76,8 @@ def main(argv=None) -> int:
         diag = load.load_diagnostics(a.results, a.arms)
         if a.name == "attribution":
             diagnostics.attribution(diag, a.out)
-        elif len(a.arms) != 1:
-            raise SystemExit("figure layers draws one arm: give exactly one --arms")
-        else:
-            diagnostics.layers(diag, a.arms[0], a.out)
+        else:  # <out>_<arm>.png/.pdf for every arm, on one colour scale
+            diagnostics.layers(diag, a.out)
     return 0
 
 

@@ -15,9 +15,9 @@ import matplotlib
 if "ipykernel" not in sys.modules:          # files only, never a display (a notebook keeps its inline backend)
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from minite.provenance import atomic_path  # noqa: E402
 from minite.report.load import ResultError, column  # noqa: E402
@@ -59,36 +59,61 @@ def footer_from(records) -> str | None:
 
 
 def throughput_bars(table: pd.DataFrame, out_stem=None, footer: str | None = None):
-    """Learner tokens/s per arm (the throughput table), each bar labelled with its ratio to BF16."""
+    """Learner tokens/s per arm (the throughput table): bars at the median, error bars over the per-step
+    interquartile range, each bar labelled with its ratio to BF16; a row the table flags is marked."""
     sns.set_theme(style="whitegrid", context="paper")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(5, 3.4))
     arms = list(table["arm"])
     sns.barplot(data=table, x="arm", y="tokens_per_s", hue="arm", palette=palette(arms), legend=False,
                 ax=ax, order=arms)
+    if {"tokens_per_s_q25", "tokens_per_s_q75"} <= set(table.columns):
+        ax.errorbar(range(len(arms)), table["tokens_per_s"],
+                    yerr=[table["tokens_per_s"] - table["tokens_per_s_q25"],
+                          table["tokens_per_s_q75"] - table["tokens_per_s"]],
+                    fmt="none", ecolor="0.2", elinewidth=1, capsize=4)
     for i, r in enumerate(table.itertuples()):
         label = f"{r.tokens_per_s:,.0f}"
         if not (isinstance(r.ratio_vs_bf16, float) and math.isnan(r.ratio_vs_bf16)):
             label += f"\n{r.ratio_vs_bf16:.2f}x BF16"
-        ax.annotate(label, (i, r.tokens_per_s), ha="center", va="bottom", fontsize=7,
-                    xytext=(0, 2), textcoords="offset points")
+        if getattr(r, "flag", ""):
+            label += "\n⚠ " + r.flag
+        top = getattr(r, "tokens_per_s_q75", r.tokens_per_s)
+        ax.annotate(label, (i, top), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                    textcoords="offset points")
     ax.set_xticks(range(len(arms)), [ARM_LABELS.get(a, a) for a in arms])
-    ax.set(xlabel="", ylabel="learner tokens / s",
+    ax.set(xlabel="", ylabel="learner tokens / s (median; bars: interquartile range)",
            title=f"Learner throughput: {table['model'].iloc[0]}, {table['layers'].iloc[0]} layers")
-    ax.margins(y=0.2)
+    ax.margins(y=0.3)
     return save(fig, out_stem, footer or footer_from(table.to_dict("records")))
+
+
+def step_split(learner: dict[str, dict], out_stem=None, footer: str | None = None):
+    """Where a learner step goes, per arm: the medians of bench-learner's ``step_split_ms`` as stacked bars
+    (the legend sits beside the bars, never over them). None when no record has a split."""
+    splits = {a: r["step_split_ms"] for a, r in learner.items() if isinstance(r.get("step_split_ms"), dict)}
+    if not splits:
+        return None
+    df = pd.DataFrame(splits).T.fillna(0.0)
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(6.5, 0.5 * len(df) + 1.4))
+    df.index = [ARM_LABELS.get(a, a) for a in df.index]
+    df.plot.barh(stacked=True, ax=ax, colormap="tab20c", width=0.7)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per learner step (medians over the timed steps)", ylabel="")
+    ax.legend(title="phase", fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save(fig, out_stem, footer)
 
 
 def _log_positive(ax, df: pd.DataFrame, y: str, hue_colors: dict, ylabel: str, smooth: int) -> None:
     """Per-arm curve of ``y`` vs step on a log axis. Exact zeros (identical engines) cannot sit on a log
-    axis: they are drawn at a floor one decade under the smallest positive value, and the legend says so."""
+    axis: they are drawn at a floor one decade under the smallest positive value, which the panel marks with
+    a dashed line labelled "exact 0" (the same words in every panel)."""
     pos = df.loc[df[y] > 0, y]
     floor = (pos.min() / 10) if len(pos) else 1e-12
     for arm, g in df.groupby("arm", sort=False):
         g = g.sort_values("step")
         vals = g[y].astype(float)
-        label = ARM_LABELS.get(arm, arm)
-        if (vals == 0).all():
-            label += f" (= 0, drawn at {floor:.0e})"
+        label = ARM_LABELS.get(arm, arm) + (" (exact 0 at every step)" if (vals == 0).all() else "")
         vals = vals.clip(lower=floor)
         ax.plot(g["step"], vals, color=hue_colors[arm], alpha=0.3 if smooth > 1 else 1.0, lw=0.8)
         if smooth > 1:
@@ -97,8 +122,21 @@ def _log_positive(ax, df: pd.DataFrame, y: str, hue_colors: dict, ylabel: str, s
         else:
             ax.lines[-1].set_label(label)
     ax.set_yscale("log")
+    if (df[y] == 0).any():
+        ax.axhline(floor, color="0.5", ls="--", lw=0.7, zorder=0)
+        ax.annotate(f"exact 0 (drawn at {floor:.0e})", (0.01, floor), xycoords=("axes fraction", "data"),
+                    xytext=(0, 3), textcoords="offset points", fontsize=7, color="0.35", va="bottom")
+        ax.set_ylim(bottom=floor / 3)
     ax.set(xlabel="RL step", ylabel=ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _legend_below(fig, axes, ncol: int) -> None:
+    """One legend for all panels, centred under them: it can never cover a curve. The first panel's
+    handles name the arms (each arm has one colour in every panel)."""
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8,
+               frameon=False)
 
 
 def drift(stability: pd.DataFrame, out_stem=None, summaries: dict | None = None, smooth: int = 5,
@@ -109,17 +147,17 @@ def drift(stability: pd.DataFrame, out_stem=None, summaries: dict | None = None,
         raise ResultError("no stability records to plot")
     sns.set_theme(style="whitegrid", context="paper")
     colors = palette(stability["arm"].unique())
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True, layout="constrained")
     for ax, (name, ylabel) in zip(axes, [("k3", "k3 KL(sampler || trainer)"),
-                                         ("max_abs_dp", "max |p_train - p_sample|")]):
+                                         ("max_abs_dp", "max |p_train - p_sample|")], strict=True):
         df = stability[["arm", "step", column(stability, name)]]
         df.columns = ["arm", "step", name]
         _log_positive(ax, df, name, colors, ylabel, smooth)
         for arm, s in (summaries or {}).items():
             step = _alarm_step(s)
             if step is not None and arm in colors:
-                ax.axvline(step, color=colors[arm], ls=":", lw=1)
-    axes[0].legend(fontsize=7)
+                ax.axvline(step, color=colors[arm], ls=":", lw=1, label=f"{ARM_LABELS.get(arm, arm)} drift alarm")
+    _legend_below(fig, axes, ncol=len(colors))
     fig.suptitle("Trainer/sampler mismatch during RL" + (f" (rolling mean of {smooth})" if smooth > 1 else ""))
     return save(fig, out_stem, footer)
 
@@ -136,13 +174,16 @@ def _alarm_step(summary: dict):
 
 def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None = None, out_stem=None, smooth: int = 5,
                 eval_metric: str | None = None, footer: str | None = None):
-    """Training reward per RL step (rolling mean) and held-out eval accuracy per checkpoint, per arm."""
+    """Training reward per RL step (rolling mean) and held-out eval accuracy per checkpoint, per arm, both on
+    the full 0..1 scale (a narrow automatic range would magnify sampling noise). Eval points carry +-1
+    standard error bars (``eval_error``)."""
     if stability.empty:
         raise ResultError("no stability records to plot")
     sns.set_theme(style="whitegrid", context="paper")
     colors = palette(stability["arm"].unique())
     have_evals = evals is not None and not evals.empty
-    fig, axes = plt.subplots(1, 2 if have_evals else 1, figsize=(9 if have_evals else 4.8, 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if have_evals else 1, figsize=(9 if have_evals else 4.8, 3.6), squeeze=False,
+                             layout="constrained")
     ax = axes[0, 0]
     rcol = column(stability, ("reward_mean", "reward"))
     for arm, g in stability.groupby("arm", sort=False):
@@ -150,20 +191,47 @@ def reward_eval(stability: pd.DataFrame, evals: pd.DataFrame | None = None, out_
         ax.plot(g["step"], g[rcol], color=colors[arm], alpha=0.25, lw=0.8)
         ax.plot(g["step"], g[rcol].rolling(smooth, min_periods=1).mean(), color=colors[arm], lw=1.6,
                 label=ARM_LABELS.get(arm, arm))
-    ax.set(xlabel="RL step", ylabel="mean reward", title="Training reward")
+    ax.set(xlabel="RL step", ylabel="mean reward", title="Training reward" + (
+        f" (thin: per step; thick: rolling mean of {smooth})" if smooth > 1 else ""))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7)
+    _unit_range(ax, stability[rcol])
     if have_evals:
         ax = axes[0, 1]
         metric = eval_metric or _eval_metric(evals)
         step = column(evals, "step")
-        sns.lineplot(data=evals.sort_values(step), x=step, y=metric, hue="arm", palette=colors, marker="o",
-                     ax=ax, legend=False)
+        err, err_label = eval_error(evals, metric)
+        groups = list(evals.assign(_err=err).sort_values(step).groupby("arm", sort=False))
+        dodge = 0.012 * max(float(evals[step].max() - evals[step].min()), 1.0)  # error bars side by side
+        for i, (arm, g) in enumerate(groups):
+            ax.errorbar(g[step] + (i - (len(groups) - 1) / 2) * dodge, g[metric], yerr=g["_err"],
+                        color=colors.get(arm), marker="o", ms=4, lw=1.4, capsize=3, label=ARM_LABELS.get(arm, arm))
         ks = evals["k"].dropna().unique() if "k" in evals else []
         label = f"mean@{int(ks[0])} accuracy" if metric == "mean_at_k" and len(ks) == 1 else metric
         ax.set(xlabel="checkpoint step", ylabel=label, title="Held-out accuracy (sampler engine)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _unit_range(ax, evals[metric] + err)
+        ax.annotate(f"error bars: {err_label}", (0.99, 0.98), xycoords="axes fraction", ha="right", va="top",
+                    fontsize=7, color="0.35")
+    _legend_below(fig, axes[0], ncol=len(colors))        # names the arms of both panels, covers neither
     return save(fig, out_stem, footer)
+
+
+def _unit_range(ax, values: pd.Series) -> None:
+    """Rewards and accuracies lie in [0, 1]: show all of it (more only if the data go beyond)."""
+    top = float(values.max()) if len(values) else 1.0
+    ax.set_ylim(min(0.0, float(values.min())) if len(values) else 0.0, 1.0 if top <= 1.0 else top * 1.05)
+
+
+def eval_error(evals: pd.DataFrame, metric: str) -> tuple[pd.Series, str]:
+    """+-1 standard error of each eval point, and what it is. evals.csv holds the mean over prompts, not the
+    per-prompt scores, so the error uses the bound sqrt(p (1 - p) / n_prompts): each prompt's score lies in
+    [0, 1], so its variance is at most p (1 - p). A ``<metric>_se`` column, when the file has one, wins."""
+    if f"{metric}_se" in evals:
+        return evals[f"{metric}_se"].astype(float), "+-1 standard error"
+    if "n_prompts" not in evals:
+        return pd.Series(0.0, index=evals.index), "none (no n_prompts)"
+    p = evals[metric].astype(float).clip(0, 1)
+    return (p * (1 - p) / evals["n_prompts"].astype(float)).pow(0.5), "+-1 s.e. bound, sqrt(p(1-p)/n_prompts)"
 
 
 def _eval_metric(evals: pd.DataFrame) -> str:
@@ -176,7 +244,8 @@ def _eval_metric(evals: pd.DataFrame) -> str:
 
 def kernel_throughput(kernels: pd.DataFrame, out_stem=None, y: str = "tflops", footer: str | None = None):
     """Dense-GEMM kernel throughput vs M (tokens), one panel per weight shape, one line per provider
-    (kernels.csv of kernel-bench: kernel, provider, shape, M, N, K, median_ms, tflops, ...), log2 x."""
+    (kernels.csv of kernel-bench: kernel, provider, shape, M, N, K, median_ms, tflops, ...), log2 x and log y
+    (on a linear y the decode regime, M <= 128, would be invisible beside M = 16384)."""
     need = {"M", y, "provider", "shape"}
     if not need <= set(kernels.columns):
         raise ResultError(f"kernels.csv needs columns {sorted(need)}; has {list(kernels.columns)}")
@@ -191,12 +260,12 @@ def kernel_throughput(kernels: pd.DataFrame, out_stem=None, y: str = "tflops", f
     g = sns.relplot(data=d.assign(shape=d["shape"].map(labels)), x="M", y=y, hue="provider", col="shape",
                     col_order=[labels[s] for s in shapes], col_wrap=min(4, len(shapes)), kind="line",
                     marker="o", height=2.6, aspect=1.1, facet_kws={"sharey": False})
-    g.set(xscale="log")
-    for ax in g.axes.flat:
+    for ax in g.axes.flat:             # log-log: M <= 128 (decode) sits decades below M = 16384
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
     g.set_titles("{col_name}", size=8)
-    g.set_axis_labels("M (tokens)", "TFLOP/s" if y == "tflops" else y)
-    g.figure.suptitle("NVFP4 GEMM throughput vs M", y=1.02)
+    g.set_axis_labels("M (tokens)", ("TFLOP/s" if y == "tflops" else y) + " (log)")
+    g.figure.suptitle("NVFP4 GEMM throughput vs M (log-log)", y=1.02)
     return save(g.figure, out_stem, footer or footer_from(d.to_dict("records")[:1]))
 
 

@@ -1,7 +1,16 @@
-"""The learner throughput table (csv / md / tex), with the paper's numbers beside ours.
+"""The learner throughput table (csv / md / tex), with its spread, the paper's numbers and the reference run.
 
-One row per arm, columns exactly ``COLUMNS``. Ratios are against the ``bf16`` and ``naive_te_nvfp4`` rows
-of the same table, and are left empty (NaN) when that reference arm is not among the arms requested.
+One row per arm, columns exactly ``COLUMNS``. ``tokens_per_s`` is tokens per update over the median step
+time; ``tokens_per_s_q25`` / ``_q75`` the same over the step times' upper / lower quartile, ``n_steps`` the
+number of timed steps and ``spread`` their interquartile range over the median (``timing_summary``).
+
+Ratios are against the ``bf16`` and ``naive_te_nvfp4`` rows of the same table (NaN when that arm is not
+among the arms requested): the ratio of the medians, with a range from the per-step distributions,
+``_lo`` = this arm's q25 tokens/s / the reference arm's q75 and ``_hi`` = q75 / q25.
+
+The trust rule (``flag``): a row is flagged when it has fewer than ``MIN_STEPS`` timed steps (too few to
+know its spread) or a spread above ``SPREAD_LIMIT`` (10%: a ratio against it can be off by that much);
+a ratio involving a flagged row is marked as not to be trusted.
 """
 from __future__ import annotations
 
@@ -12,14 +21,41 @@ import pandas as pd
 
 from minite.provenance import write_csv, write_text
 from minite.report.load import ResultError, load_learner
+from minite.telemetry import SPREAD_LIMIT, timing_summary
 
-COLUMNS = ["arm", "tokens_per_s", "ratio_vs_bf16", "ratio_vs_naive", "step_ms", "peak_mem_gb", "device",
-           "model", "layers", "sha"]
+COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "flag",
+           "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi",
+           "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
+           "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver"]
 BF16, NAIVE, MINITE = "bf16", "naive_te_nvfp4", "minite_nvfp4"
+#: Fewer timed steps than this and the spread is unknown: the row is flagged.
+MIN_STEPS = 5
+TRUST_RULE = (f"a row is flagged when it has fewer than {MIN_STEPS} timed steps or its step times' "
+              f"interquartile range exceeds {100 * SPREAD_LIMIT:.0f}% of their median; a ratio involving a "
+              "flagged row is marked ⚠ and should not be trusted (rerun on a quiet machine)")
 
 #: The miniTE paper's learner throughput (Qwen3-30B-A3B, one B300 node). Quoted, never measured here.
 PAPER = {"model": "Qwen3-30B-A3B (full model)", "device": "one B300 node",
          "arm": MINITE, "tokens_per_s": 33540.0, "ratio_vs_bf16": 1.39, "ratio_vs_naive": 1.47}
+
+
+def _flag(n: int, spread: float) -> str:
+    if n < MIN_STEPS:
+        return f"only {n} timed steps"
+    if not spread <= SPREAD_LIMIT:
+        return f"spread {100 * spread:.0f}% > {100 * SPREAD_LIMIT:.0f}%"
+    return ""
+
+
+def _row(arm: str, rec: dict) -> dict:
+    steps = rec.get("step_ms_all") or [rec["step_ms"]]     # records without per-step times: n = 1
+    t = timing_summary(steps)
+    tps = float(rec["tokens_per_s"])                        # = tokens / median step time
+    return {"arm": arm, "tokens_per_s": tps, "tokens_per_s_q25": tps * rec["step_ms"] / t["q75"],
+            "tokens_per_s_q75": tps * rec["step_ms"] / t["q25"], "n_steps": t["n"], "spread": t["spread"],
+            "flag": _flag(t["n"], t["spread"]),
+            **{c: rec.get(c) for c in ("step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch",
+                                       "triton", "gpu_driver")}}
 
 
 def throughput_table(learner: dict[str, dict]) -> pd.DataFrame:
@@ -30,23 +66,43 @@ def throughput_table(learner: dict[str, dict]) -> pd.DataFrame:
     if len(setups) > 1:
         raise ResultError(f"learner results are for different model slices {sorted(setups)}: ratios would "
                           "be meaningless; rerun bench-learner for every arm with one config")
-    rows = [{"arm": arm, **{c: rec.get(c) for c in COLUMNS if c != "arm"}} for arm, rec in learner.items()]
-    df = pd.DataFrame(rows)
-    tps = dict(zip(df["arm"], df["tokens_per_s"]))
-    df["ratio_vs_bf16"] = df["tokens_per_s"] / tps[BF16] if BF16 in tps else math.nan
-    df["ratio_vs_naive"] = df["tokens_per_s"] / tps[NAIVE] if NAIVE in tps else math.nan
+    df = pd.DataFrame([_row(arm, rec) for arm, rec in learner.items()])
+    rows = df.set_index("arm")
+    for ref, name in ((BF16, "ratio_vs_bf16"), (NAIVE, "ratio_vs_naive")):
+        if ref not in rows.index:
+            df[name] = df[f"{name}_lo"] = df[f"{name}_hi"] = math.nan
+            continue
+        r = rows.loc[ref]
+        df[name] = df["tokens_per_s"] / r.tokens_per_s
+        df[f"{name}_lo"] = df["tokens_per_s_q25"] / r.tokens_per_s_q75
+        df[f"{name}_hi"] = df["tokens_per_s_q75"] / r.tokens_per_s_q25
+        df.loc[df["arm"] == ref, [f"{name}_lo", f"{name}_hi"]] = 1.0    # an arm against itself: exactly 1
     df["tokens_per_s"] = df["tokens_per_s"].astype(float)
     return df[COLUMNS]
 
 
+def _nan(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
 def _fmt(v, spec: str, na: str = "n/a") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return na
-    return format(v, spec)
+    return na if _nan(v) else format(v, spec)
 
 
 def _ratio(v) -> str:
-    return _fmt(v, ".2f") + ("" if v is None or (isinstance(v, float) and math.isnan(v)) else "x")
+    return _fmt(v, ".2f") + ("" if _nan(v) else "x")
+
+
+def _ratio_range(df: pd.DataFrame, row, name: str, ref: str) -> str:
+    """'1.12x (0.95-1.30)', with ⚠ when this row or the reference row is flagged."""
+    v = getattr(row, name)
+    if _nan(v):
+        return "n/a"
+    if row.arm == ref:
+        return f"{v:.2f}x"                                  # an arm against itself: exactly 1, nothing to trust
+    text = f"{v:.2f}x ({getattr(row, name + '_lo'):.2f}-{getattr(row, name + '_hi'):.2f})"
+    flagged = set(df.loc[df["flag"] != "", "arm"])
+    return text + (" ⚠" if {row.arm, ref} & flagged else "")
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -56,20 +112,45 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str) -> str:
+def run_label(learner: dict[str, dict]) -> str:
+    """'<sha>, <device>, <day>' of a set of learner records (each distinct value, in order)."""
+    def distinct(key, cut=None):
+        vals = [str(r.get(key, "?"))[:cut] for r in learner.values()]
+        return " / ".join(dict.fromkeys(vals))
+    return f"{distinct('sha', 12)}, {distinct('device')}, {distinct('date', 10)}"
+
+
+def _throughput_rows(df: pd.DataFrame) -> list[list[str]]:
+    return [[r.arm, _fmt(r.tokens_per_s, ",.0f"),
+             f"{_fmt(r.tokens_per_s_q25, ',.0f')}-{_fmt(r.tokens_per_s_q75, ',.0f')}", str(r.n_steps),
+             _fmt(100 * r.spread, ".0f") + "%", _ratio_range(df, r, "ratio_vs_bf16", BF16),
+             _ratio_range(df, r, "ratio_vs_naive", NAIVE), _fmt(r.step_ms, ",.1f"), _fmt(r.peak_mem_gb, ".2f"),
+             r.flag or "ok"] for r in df.itertuples()]
+
+
+THROUGHPUT_HEADER = ["arm", "tokens/s (median)", "interquartile range", "steps", "spread", "vs BF16",
+                     "vs naive TE NVFP4", "step (ms)", "peak mem (GB)", "trust"]
+
+
+def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
+                reference: dict[str, dict] | None = None, reference_dir: str | None = None) -> str:
     devices = sorted(set(df["device"].astype(str)))
     model, layers = df["model"].iloc[0], df["layers"].iloc[0]
     out = [f"# Learner throughput ({profile} profile)", "",
            f"Complete learner updates (forward, backward, optimizer step) of `{model}` "
-           f"({layers} layers) on {', '.join(devices)}; measured by `python -m minite bench-learner`.", ""]
+           f"({layers} layers) on {', '.join(devices)}; measured by `python -m minite bench-learner` "
+           f"(this run: {run_label(learner)}).", "",
+           "tokens/s is tokens per update over the median step time; the interquartile range, the number of "
+           "timed steps and the spread (interquartile range / median of the step times) say how steady the "
+           "machine was. Ratios are ratios of medians, with a range from the per-step distributions "
+           "(this arm's lower quartile over the other's upper, and the reverse). Trust rule: " + TRUST_RULE
+           + ".", ""]
     if len(devices) > 1:
         out += ["**Warning: the arms were measured on different devices; the ratios compare devices as "
                 "well as arms.**", ""]
-    out.append(_md_table(
-        ["arm", "tokens/s", "vs BF16", "vs naive TE NVFP4", "step (ms)", "peak mem (GB)"],
-        [[r.arm, _fmt(r.tokens_per_s, ",.0f"), _ratio(r.ratio_vs_bf16),
-          _ratio(r.ratio_vs_naive), _fmt(r.step_ms, ",.1f"), _fmt(r.peak_mem_gb, ".2f")]
-         for r in df.itertuples()]))
+    out.append(_md_table(THROUGHPUT_HEADER, _throughput_rows(df)))
+    if reference:
+        out += ["", *_reference_section(df, reference, reference_dir)]
     ours = df.set_index("arm")
     m = ours.loc[MINITE] if MINITE in ours.index else None
     out += ["", f"## Paper vs this run ({MINITE})", "",
@@ -84,34 +165,79 @@ def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str) -> str
             "", "Absolute tokens/s are only comparable on the same hardware and model; the ratios are the "
             "reproduction target. FP4 speed-ups need FP4 tensor cores (Blackwell): on other devices the "
             "NVFP4 arms run emulated and the ratios measure overheads, not the paper's claim.", "",
-            "## Provenance", "",
-            _md_table(["arm", "sha", "device", "date", "command"],
-                      [[arm, rec.get("sha", "?"), rec.get("device", "?"), rec.get("date", "?"),
-                        f"`{rec.get('command', '?')}`"] for arm, rec in learner.items()]), ""]
+            "## Provenance", "", _provenance_table(learner), ""]
     return "\n".join(out)
 
 
+def _provenance_table(learner: dict[str, dict]) -> str:
+    return _md_table(["arm", "sha", "device", "torch", "triton", "GPU driver", "date", "command"],
+                     [[arm, *(_recorded(rec, k) for k in ("sha", "device", "torch", "triton", "gpu_driver", "date")),
+                       f"`{rec.get('command', '?')}`"] for arm, rec in learner.items()])
+
+
+def _recorded(rec: dict, key: str) -> str:
+    """A provenance field: 'not recorded' (older results lack the key), 'none' (recorded as absent: no
+    triton, no GPU driver on a CPU run) or its value."""
+    if key not in rec:
+        return "not recorded"
+    return "none" if rec[key] is None else str(rec[key])
+
+
+def _reference_section(df: pd.DataFrame, reference: dict[str, dict], reference_dir: str | None) -> list[str]:
+    """The committed reference run of the same profile, labelled with its own sha, device and date."""
+    ref = throughput_table(reference)
+    label = f"reference ({run_label(reference)})"
+    out = [f"## Beside the {label}", "",
+           f"The committed reference run{f' (`{reference_dir}`)' if reference_dir else ''}, measured by the "
+           "commit and on the device named above, not by this run."]
+    same = {(str(r["model"]), str(r["layers"])) for r in reference.values()} == \
+        {(str(m), str(n)) for m, n in zip(df["model"], df["layers"], strict=True)}
+    if not same:
+        out.append(" **It measured another model slice: its numbers are not comparable with this run's.**")
+    return out + ["", _md_table(THROUGHPUT_HEADER, _throughput_rows(ref))]
+
+
 def to_latex(df: pd.DataFrame) -> str:
-    t = df[["arm", "tokens_per_s", "ratio_vs_bf16", "ratio_vs_naive", "step_ms", "peak_mem_gb"]].rename(
-        columns={"arm": "Arm", "tokens_per_s": "Tokens/s", "ratio_vs_bf16": "vs BF16",
-                 "ratio_vs_naive": "vs naive", "step_ms": "Step (ms)", "peak_mem_gb": "Peak mem (GB)"})
-    sty = (t.style.hide(axis="index")
-           .format({"Tokens/s": "{:,.0f}", "vs BF16": "{:.2f}", "vs naive": "{:.2f}", "Step (ms)": "{:,.1f}",
-                    "Peak mem (GB)": "{:.2f}"}, na_rep="--")
-           .format(escape="latex", subset=["Arm"]))
-    return sty.to_latex(hrules=True, column_format="l" + "r" * (t.shape[1] - 1)) + \
+    t = pd.DataFrame({
+        "Arm": df["arm"],
+        "Tokens/s": df["tokens_per_s"].map("{:,.0f}".format),
+        "IQR": [f"{a:,.0f}--{b:,.0f}"
+                for a, b in zip(df["tokens_per_s_q25"], df["tokens_per_s_q75"], strict=True)],
+        "n": df["n_steps"],
+        "vs BF16": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_bf16"], df["ratio_vs_bf16_lo"],
+                                                                  df["ratio_vs_bf16_hi"], strict=True)],
+        "vs naive": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_naive"], df["ratio_vs_naive_lo"],
+                                                                   df["ratio_vs_naive_hi"], strict=True)],
+        "Step (ms)": df["step_ms"].map("{:,.1f}".format),
+        "Peak mem (GB)": df["peak_mem_gb"].map(lambda v: _fmt(v, ".2f", "--")),
+        "Trust": df["flag"].map(lambda f: f or "ok"),
+    })
+    sty = t.style.hide(axis="index").format(escape="latex", subset=["Arm", "Trust"])
+    return sty.to_latex(hrules=True, column_format="l" + "r" * (t.shape[1] - 2) + "l") + \
+        f"% ratios: ratio of medians (range from the per-step interquartile ranges). {TRUST_RULE}\n" + \
         f"% paper ({PAPER['device']}, {PAPER['model']}): {PAPER['tokens_per_s']:,.0f} tokens/s, " \
         f"{PAPER['ratio_vs_bf16']:.2f}x BF16, {PAPER['ratio_vs_naive']:.2f}x naive TE NVFP4\n"
 
 
-def write_throughput_table(results_dir, arms, out_prefix=None, profile: str | None = None) -> pd.DataFrame:
+def _latex_ratio(v, lo, hi) -> str:
+    if _nan(v):
+        return "--"
+    return f"{v:.2f} ({lo:.2f}--{hi:.2f})" if not (lo == hi == 1.0) else f"{v:.2f}"
+
+
+def write_throughput_table(results_dir, arms, out_prefix=None, profile: str | None = None,
+                           reference_dir=None) -> pd.DataFrame:
     """Read ``<results_dir>/<arm>/learner.json`` for each arm; write ``<out_prefix>.{csv,md,tex}``
-    (default ``<results_dir>/throughput_table``). Returns the table."""
+    (default ``<results_dir>/throughput_table``). With ``reference_dir`` (a committed reference run of the
+    same profile) the markdown sets its rows beside this run's, labelled. Returns the table."""
     results_dir = Path(results_dir)
     out_prefix = Path(out_prefix) if out_prefix else results_dir / "throughput_table"
     learner = load_learner(results_dir, arms)
     df = throughput_table(learner)
+    reference = load_learner(reference_dir, arms, missing="skip") if reference_dir else None
+    md = to_markdown(df, learner, profile or results_dir.name, reference or None,
+                     str(reference_dir) if reference_dir else None)
     write_csv(out_prefix.with_suffix(".csv"), df)
-    write_text(out_prefix.with_suffix(".md"), to_markdown(df, learner, profile or results_dir.name))
+    write_text(out_prefix.with_suffix(".md"), md)
     write_text(out_prefix.with_suffix(".tex"), to_latex(df))
     return df

@@ -3,6 +3,10 @@
 # The profile is chosen by the config: `profile` from --configfile / --config (default "cpu"). Its
 # workflow/profiles/<profile>/pipeline.yaml is the base; whatever --configfile / --config set is merged on
 # top (so `--config arms=[bf16]` overrides the profile's arms), then the result is validated.
+#
+# Paths are relative to the repository (the working directory is pinned to it below), so nothing an output
+# records names the machine it ran on. A run writes results/<profile>/ (git-ignored); the committed
+# reference runs in results/reference/<profile>/ are read, never written.
 import mimetypes
 import re
 import shlex
@@ -13,6 +17,7 @@ import yaml
 from snakemake.utils import update_config, validate
 
 REPO = Path(workflow.basedir)
+REFERENCE_ROOT = "results/reference"
 mimetypes.add_type("application/x-ipynb+json", ".ipynb")  # executed notebooks in the --report
 
 
@@ -52,6 +57,11 @@ validate(config, "../schemas/config.schema.yaml")
 
 PROFILE = config["profile"]
 RESULTS = config.get("results") or f"results/{PROFILE}"
+if Path(RESULTS).resolve().is_relative_to((REPO / REFERENCE_ROOT).resolve()):
+    raise WorkflowError(f"results={RESULTS!r}: {REFERENCE_ROOT}/ holds the committed reference runs and is "
+                        "read-only to the pipeline; write a run elsewhere (default results/<profile>)")
+# The committed reference run of this profile, shown beside a new run where a table or notebook can.
+REFERENCE = f"{REFERENCE_ROOT}/{PROFILE}"
 ARMS = list(config["arms"])
 # The interpreter stays out of rule params on purpose: a different venv path must not rerun every job.
 PY = config["python"] or sys.executable
@@ -70,7 +80,7 @@ wildcard_constraints:
 
 def arm_yaml(wildcards):
     """The arm's YAML: an input of every per-arm rule, so editing one arm reruns only that arm."""
-    return str(REPO / "configs" / "arms" / f"{wildcards.arm}.yaml")
+    return f"configs/arms/{wildcards.arm}.yaml"
 
 
 def job(name: str) -> dict:
@@ -80,11 +90,11 @@ def job(name: str) -> dict:
 def model_inputs(name: str) -> list[str]:
     """The job's model YAML (configs/models/<model>.yaml, or the path given) and its declared extra inputs."""
     j = job(name)
-    files = [str(REPO / f) for f in j.get("inputs", [])]
+    files = list(j.get("inputs", []))
     model = j.get("model")
     if model:
-        p = REPO / "configs" / "models" / f"{model}.yaml"
-        files.append(str(p) if p.is_file() else model)
+        p = f"configs/models/{model}.yaml"
+        files.append(p if (REPO / p).is_file() else model)
     return files
 
 

@@ -9,7 +9,7 @@ ATTRIBUTION_ARM = "naive_te_nvfp4" if "naive_te_nvfp4" in ARMS else ARMS[0]
 def diagnose_inputs(wildcards):
     files = {"arm": arm_yaml(wildcards), "model": model_inputs("diagnose")}
     if job("diagnose").get("init_from_sft"):
-        files["sft"] = f"{RESULTS}/sft/sft.json"
+        files["sft"] = SFT_OUTPUTS
     return files
 
 

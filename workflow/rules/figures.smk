@@ -55,20 +55,22 @@ rule figure_kernels:
 
 
 rule figure_layers:
+    # one heatmap per arm, all on one colour scale (so equal colours mean equal errors across arms)
     input:
-        f"{RESULTS}/{{arm}}/diagnostics/mismatch.json",
-        f"{RESULTS}/{{arm}}/diagnostics/layers.csv",
+        per_arm(f"{RESULTS}/{{arm}}/diagnostics/mismatch.json"),
+        per_arm(f"{RESULTS}/{{arm}}/diagnostics/layers.csv"),
     output:
-        png=report(f"{FIGS}/layers_{{arm}}.png", caption="../report/layers.rst", category="Diagnostics",
-                   subcategory="{arm}"),
-        pdf=f"{FIGS}/layers_{{arm}}.pdf",
+        png=[report(f"{FIGS}/layers_{arm}.png", caption="../report/layers.rst", category="Diagnostics",
+                    subcategory=arm) for arm in ARMS],
+        pdf=per_arm(f"{FIGS}/layers_{{arm}}.pdf"),
     params:
+        arms=" ".join(ARMS),
         results=RESULTS,
-        stem=lambda wc: f"{FIGS}/layers_{wc.arm}",
+        stem=f"{FIGS}/layers",
     log:
-        f"{LOGS}/figures/layers_{{arm}}.log",
+        f"{LOGS}/figures/layers.log",
     shell:
-        "{PY} -m minite.report figure layers --results {params.results} --arms {wildcards.arm}"
+        "{PY} -m minite.report figure layers --results {params.results} --arms {params.arms}"
         " --out {params.stem} > {log} 2>&1"
 
 

@@ -3,7 +3,7 @@
 
 rule kernel_bench_csv:
     input:
-        [str(REPO / f) for f in job("kernel_bench").get("inputs", [])],
+        job("kernel_bench").get("inputs", []),
     output:
         csv=report(f"{RESULTS}/kernels.csv", caption="../report/kernels_table.rst", category="Kernels"),
         md=f"{RESULTS}/kernels.md",  # kernel-bench's summary (checks + timings), written beside the csv

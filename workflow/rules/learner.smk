@@ -19,9 +19,14 @@ rule bench_learner:
         " --out {output} > {log} 2>&1"
 
 
+# The committed reference run of this profile, set beside the new one in the markdown (read, never written).
+REFERENCE_LEARNER = [p for p in per_arm(f"{REFERENCE}/{{arm}}/learner.json") if (REPO / p).is_file()]
+
+
 rule throughput_table_files:
     input:
-        per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+        run=per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+        reference=REFERENCE_LEARNER,
     output:
         csv=report(f"{RESULTS}/throughput_table.csv", caption="../report/throughput_table.rst",
                    category="Throughput"),
@@ -32,11 +37,12 @@ rule throughput_table_files:
         results=RESULTS,
         profile=PROFILE,
         prefix=f"{RESULTS}/throughput_table",
+        reference=f"--reference {REFERENCE}" if REFERENCE_LEARNER else "",
     log:
         f"{LOGS}/throughput_table.log",
     shell:
         "{PY} -m minite.report table --results {params.results} --arms {params.arms} --profile {params.profile}"
-        " --out {params.prefix} > {log} 2>&1"
+        " {params.reference} --out {params.prefix} > {log} 2>&1"
 
 
 rule figure_throughput:

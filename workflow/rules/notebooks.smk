@@ -1,5 +1,6 @@
 # Notebooks (notebooks/*.ipynb, papermill-parameterised with `results_dir` and `arms`) executed into
-# results/<profile>/notebooks/. They read the results and plot; they never recompute.
+# results/<profile>/notebooks/. They read the results and plot; they never recompute. `reference_dir` is the
+# profile's committed reference run (results/reference/<profile>), shown beside the new run where it exists.
 
 
 def notebook_inputs(wildcards):
@@ -15,7 +16,7 @@ def notebook_inputs(wildcards):
 
 rule notebook:
     input:
-        nb=str(REPO / "notebooks" / "{nb}.ipynb"),
+        nb="notebooks/{nb}.ipynb",
         results=notebook_inputs,
     output:
         report(f"{RESULTS}/notebooks/{{nb}}.ipynb", caption="../report/notebooks.rst", category="Notebooks"),
@@ -24,8 +25,9 @@ rule notebook:
     params:
         arms="[" + ", ".join(ARMS) + "]",
         results=RESULTS,
+        reference=REFERENCE,
     log:
         f"{LOGS}/notebooks/{{nb}}.log",
     shell:
-        "{PY} -m papermill {input.nb} {output} -k python3 -p results_dir {params.results} -y 'arms: {params.arms}'"
-        " --no-progress-bar > {log} 2>&1"
+        "{PY} -m papermill {input.nb} {output} -k python3 -p results_dir {params.results}"
+        " -p reference_dir {params.reference} -y 'arms: {params.arms}' --no-progress-bar > {log} 2>&1"

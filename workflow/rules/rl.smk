@@ -6,11 +6,18 @@
 # `steps` in the config (a params change) extends the run instead of restarting it.
 
 
+# The warm start is done when its weights exist (sft.json alone is not enough: the weights are large and may
+# have been deleted or never copied). A profile whose RL config trains no SFT and loads the model's own
+# checkpoint sets `jobs.sft.weights: false`; then sft.json alone marks it done.
+SFT_OUTPUTS = [f"{RESULTS}/sft/sft.json"] + ([f"{RESULTS}/sft/weights/config.json"]
+                                             if job("sft").get("weights", True) else [])
+
+
 rule sft:
     input:
         model_inputs("sft"),
     output:
-        f"{RESULTS}/sft/sft.json",
+        SFT_OUTPUTS,
     params:
         args=job_args("sft"),
         out=f"{RESULTS}/sft",
@@ -27,7 +34,7 @@ rule rl:
     input:
         arm=arm_yaml,
         model=model_inputs("rl"),
-        sft=rules.sft.output,
+        sft=SFT_OUTPUTS,
     output:
         f"{RESULTS}/{{arm}}/stability_summary.json",
     params:
@@ -41,7 +48,7 @@ rule rl:
         gpu=job_gpus("rl"),
     shell:
         "OMP_NUM_THREADS={threads} {PY} -m minite rl --arm {wildcards.arm} {params.args}"
-        " --init {params.init} --out {params.out} >> {log} 2>&1"
+        " --checkpoint {params.init} --out {params.out} >> {log} 2>&1"
 
 
 rule eval:
