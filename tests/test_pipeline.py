@@ -135,7 +135,7 @@ def test_job_flags_come_from_the_config(wf):
     r = smk(wf, "-n", "-p", "results/cpu/bf16/stability_summary.json", "--configfile", "more.yaml")
     cmd = next(ln for ln in r.stdout.splitlines() if "minite rl --arm bf16" in ln)
     assert "--steps 7 --ckpt-every 10 --set rl.group_size=8 --set rl.lr=1e-05" in cmd
-    assert "--init results/cpu/sft --out results/cpu/bf16" in cmd
+    assert "--checkpoint results/cpu/sft --out results/cpu/bf16" in cmd
 
 
 def test_sft_is_done_only_when_its_weights_exist(wf):
