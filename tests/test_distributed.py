@@ -4,8 +4,9 @@ Two processes run one update of ``tiny`` for every arm on their halves of a batc
 update on the whole batch in micro-batches of the same halves. Then: gradients, parameters and optimizer
 state agree (bitwise without clipping, within the bound below with it), the NVFP4 codes each rank computes
 with are the one-process codes, both ranks receive the payload one process ships, checkpoints cross between
-the single-process file and the sharded DCP directory, and after a sharded update and sync the miniTE
-trainer and sampler log-probs are bitwise equal.
+the single-process file and the sharded DCP directory, activation checkpointing under FSDP changes no number,
+and after a sharded update and sync the miniTE trainer and sampler log-probs are bitwise equal; bench-learner
+runs under torchrun.
 
 Tolerance, from the reduction order. AdamW's first step from a zero state (bias-corrected, weight decay 0)
 moves every parameter by  d = -lr * h / (|h| + eps),  h = c * g,  g the fp32 gradient and
@@ -125,6 +126,11 @@ def _ranks(rank: int, world: int, port: int, tmp: str) -> None:
                        f"{tmp}/{tag}.rank{rank}.pt")
             report[tag] = {"loss": res["loss"], "grad_norm": res["grad_norm"], "tokens": res["tokens"],
                            "sync": tr.last_export}
+        # activation checkpointing around the FSDP layers changes no number
+        tr = Trainer(arm, "tiny", seed=3, lr=LR, grad_clip=None, activation_checkpointing=True)
+        tr.update(batch)
+        torch.save({n: full_value(p.grad) for n, p in zip(tr.names, tr.params, strict=True)},
+                   f"{tmp}/{arm}_ac.rank{rank}.pt")
         # the single-process checkpoint file, loaded by the sharded trainer, ships what one process ships
         tr = Trainer(arm, "tiny", seed=11, lr=LR)
         tr.load(f"{tmp}/{arm}.single.pt")
@@ -198,6 +204,9 @@ def test_two_ranks_update_like_one_process(two_ranks, arm):
         assert ranks[0]["codes"].keys() == ref["codes"].keys()
         if tag.endswith("noclip"):
             assert all(torch.equal(ranks[r]["codes"][k], ref["codes"][k]) for r in (0, 1) for k in ref["codes"])
+        if tag.endswith("noclip"):
+            ac = torch.load(tmp / f"{arm}_ac.rank0.pt", weights_only=False)
+            assert all(torch.equal(ac[n], ranks[0]["grads"][n]) for n in one.names)
         # both ranks received the payload one process ships from the same weights
         assert _same_payload(ranks[0]["payload"], ranks[1]["payload"])
         assert _same_payload(ranks[0]["payload"], sharded.export_weights())
@@ -213,3 +222,24 @@ def test_sync_bytes_single_file_checkpoint_and_aligned_logprobs(two_ranks):
     assert bf16["buckets"] >= 1 and report["naive_te_nvfp4_clip"]["sync"] == bf16
     assert bf16["gathered_bytes"] / codes["gathered_bytes"] > 3.0    # codes + scales instead of BF16
     assert report["bitwise"]
+
+
+def test_bench_learner_under_torchrun(tmp_path):
+    """The user-facing command on two processes: the global batch split, peak memory of every rank, rank 0 writes."""
+    import subprocess
+    import sys
+    out = tmp_path / "learner.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "minite", "bench-learner", "--arm", "minite_nvfp4", "--model", "tiny", "--device", "cpu",
+                        "--steps", "1", "--warmup", "1", "--micro-batch-size", "1", "--out", str(out)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    j = json.loads(out.read_text())
+    assert j["world_size"] == 2 and len(j["peak_mem_gb_per_rank"]) == 2 and j["tokens_per_update"] == 4 * 64
+    assert j["weight_quantizations_per_update"] is None and j["tokens_per_s"] > 0
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "minite", "bench-learner", "--arm", "bf16", "--model", "tiny", "--device", "cpu",
+                          "--tokens-per-update", "192", "--out", str(tmp_path / "x.json")],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "3 sequences per update do not split evenly over 2 ranks" in bad.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -93,7 +93,11 @@ class Trainer:
         if activation_checkpointing:
             # each decoder layer's forward is recomputed in backward instead of keeping its activations (and
             # the dequantized NVFP4 weights its GEMMs saved): the same numbers, less memory
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.model, "activation_checkpointing_enable", None)   # transformers >= 5.2x
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._compute_fp32 = compute_dtype == "float32"
         self.sharded = D.active() if shard is None else bool(shard)
         if self.sharded:
