@@ -1,6 +1,6 @@
-"""``python -m minite rl`` under torchrun (two gloo processes on CPU): a kill -9 of the launcher mid-run, then
-the same command again, resumes and gives the curve of an uninterrupted run; the aligned arm stays bitwise
-aligned (k3 = 0) on every step, so every rank's sampler replica got exactly the trainer's weights."""
+"""``python -m minite sft`` and ``rl`` under torchrun (two gloo processes on CPU): a kill -9 of the launcher
+mid-run, then the same command again, resumes and gives the curve of an uninterrupted run; the aligned arm stays
+bitwise aligned (k3 = 0) on every step, so every rank's sampler replica got exactly the trainer's weights."""
 import json
 import os
 import signal
@@ -21,18 +21,25 @@ ARGS = [x for k, v in SETS.items() for x in ("--set", f"{k}={v}")]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):
+    """The warm start, itself trained on two processes (rank 0 writes the gathered weights and sft.json)."""
     out = tmp_path_factory.mktemp("sft")
-    subprocess.run([sys.executable, "-m", "minite", "sft", "--model", "tiny", "--out", str(out), "--no-progress",
-                    *ARGS], check=True, env=ENV, capture_output=True)
+    done = subprocess.run([*TORCHRUN, "-m", "minite", "sft", "--model", "tiny", "--out", str(out), "--no-progress",
+                           *ARGS], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads((out / "sft.json").read_text())
+    assert info["heldout_after"]["expected_acc"] > info["heldout_before"]["expected_acc"]
+    assert (out / "weights" / "model.safetensors").is_file() and not (out / ".weights.tmp").exists()
     return out
 
 
 def _torchrun(out, sft_dir, steps=3):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "minite",
-            "rl", "--arm", "minite_nvfp4", "--model", "tiny", "--steps", str(steps), "--ckpt-every", "1",
-            "--init", str(sft_dir), "--out", str(out), "--no-progress", *ARGS]
+    return [*TORCHRUN, "-m", "minite", "rl", "--arm", "minite_nvfp4", "--model", "tiny", "--steps", str(steps),
+            "--ckpt-every", "1", "--init", str(sft_dir), "--out", str(out), "--no-progress", *ARGS]
 
 
 def _lines(path):
