@@ -37,8 +37,8 @@ def sft_dir(tmp_path_factory):
     return out
 
 
-def _torchrun(out, sft_dir, steps=3):
-    return [*TORCHRUN, "-m", "minite", "rl", "--arm", "minite_nvfp4", "--model", "tiny", "--steps", str(steps),
+def _torchrun(out, sft_dir, runner, steps=3):
+    return [*TORCHRUN, runner, "rl", "--arm", "minite_nvfp4", "--model", "tiny", "--steps", str(steps),
             "--ckpt-every", "1", "--init", str(sft_dir), "--out", str(out), "--no-progress", *ARGS]
 
 
@@ -57,12 +57,12 @@ def _gone(pid: int, timeout: float = 60.0) -> bool:
     return False
 
 
-def test_torchrun_rl_killed_and_rerun_gives_the_same_curve(sft_dir, tmp_path):
+def test_torchrun_rl_killed_and_rerun_gives_the_same_curve(sft_dir, tmp_path, paced_minite):
     full = tmp_path / "full"
-    done = subprocess.run(_torchrun(full, sft_dir), env=ENV, capture_output=True, text=True)
+    done = subprocess.run(_torchrun(full, sft_dir, paced_minite), env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     killed = tmp_path / "killed"
-    launcher = subprocess.Popen(_torchrun(killed, sft_dir), env=ENV, stdout=subprocess.DEVNULL,
+    launcher = subprocess.Popen(_torchrun(killed, sft_dir, paced_minite), env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     jsonl = killed / "stability.jsonl"
     first = killed / "ckpt" / "step_000001" / "loop_state.json"
@@ -75,7 +75,7 @@ def test_torchrun_rl_killed_and_rerun_gives_the_same_curve(sft_dir, tmp_path):
     assert _gone(rank0), "a worker outlived its launcher"
     steps_before = len(_lines(jsonl))
     assert steps_before < 3
-    again = subprocess.run(_torchrun(killed, sft_dir), env=ENV, capture_output=True, text=True)
+    again = subprocess.run(_torchrun(killed, sft_dir, paced_minite), env=ENV, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
 
     a, b = _lines(full / "stability.jsonl"), _lines(jsonl)
