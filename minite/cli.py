@@ -4,6 +4,10 @@ Each job lives in ``minite/jobs/<module>.py`` with ``add_args(parser)`` and ``ru
 imported only when chosen, so ``--help`` stays fast and a missing optional backend fails only its job. Flags
 shared by several jobs are ``minite.jobs.common``. Bad input ends a job with one line on stderr and exit
 status 2; progress and summaries are logged (INFO) to stderr, results go to files.
+
+Several GPUs: ``torchrun --nproc-per-node N -m minite <job> ...`` runs a job whose module says
+``DISTRIBUTED = True`` as N processes (``minite.distributed``); rank 0 logs and writes, the others log
+warnings only. Other jobs refuse torchrun.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import importlib
 import logging
 import os
 import sys
+
+from minite import distributed
 
 log = logging.getLogger("minite")
 
@@ -64,11 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(f"minite.jobs.{JOBS[args.job][0]}")
     try:
+        if distributed.launched():
+            if not getattr(module, "DISTRIBUTED", False):
+                raise RuntimeError(f"{args.job} runs in one process: launch it without torchrun "
+                                   "(or with --nproc-per-node 1)")
+            distributed.init()
+            if not distributed.is_main():
+                log.setLevel(logging.WARNING)
+                args.no_progress = True
         return int(module.run(args) or 0)
     except USER_ERRORS as e:
         log.error("%s: %s", args.job, e)
         log.debug("traceback", exc_info=True)
         return 2
+    finally:
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The Snakemake pipeline: dry-runs of every named target (cpu and h200 profiles), config validation,
-single-arm reruns, and the README's first command on a fresh clone, end to end on CPU (slow).
+"""The Snakemake pipeline: dry-runs of every named target (cpu and h200 profiles; multi-GPU jobs under torchrun in
+the h200x2, b300 and Slurm profiles), config validation, single-arm reruns, and the README's first command on a
+fresh clone, end to end on CPU (slow).
 
 Dry-runs work on a copy of the workflow files in a temporary directory, so results, .snakemake metadata
 and touched config files never land in the checkout.
@@ -85,6 +86,30 @@ def test_dry_run_h200_profile(wf):
 
 def test_dry_run_b300_profile_parses(wf):
     assert dry(wf, "throughput_table", "--profile", "workflow/profiles/b300").get("bench_learner") == 3
+
+
+def test_multi_gpu_jobs_run_under_torchrun(wf):
+    """A job the profile gives N > 1 GPUs runs as N processes (torchrun through this interpreter); one-GPU jobs
+    and jobs that run in one process (diagnose) do not."""
+    r = smk(wf, "-n", "-p", "all", "--profile", "workflow/profiles/h200x2")
+    lines = r.stdout.splitlines()
+    for job in ("bench-learner --arm bf16", "sft --model small", "rl --arm bf16", "eval --arm bf16"):
+        cmd = next(ln for ln in lines if f"-m minite {job}" in ln)
+        assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m minite" in cmd, cmd
+    assert "--layers 4" in next(ln for ln in lines if "bench-learner --arm bf16" in ln)
+    assert "--run-dir results/h200x2/bf16 " in next(ln for ln in lines if "-m minite eval --arm bf16" in ln)
+    for job in ("diagnose --arm bf16", "kernel-bench"):
+        cmd = next(ln for ln in lines if f"-m minite {job}" in ln)
+        assert "torch.distributed.run" not in cmd, cmd
+    b300 = smk(wf, "-n", "-p", "throughput_table", "--profile", "workflow/profiles/b300").stdout
+    assert "--nproc-per-node 8 -m minite bench-learner" in b300 and "--layers 48" in b300
+
+
+def test_slurm_cluster_profile_dry_run(wf):
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="the optional extra .[slurm]")
+    r = smk(wf, "-n", "-p", "throughput_table", "stability", "--profile", "workflow/profiles/slurm")
+    assert job_counts(r.stdout).get("rl") == 3 and "results/b300/" in r.stdout
+    assert "--nproc-per-node 8 -m minite rl" in r.stdout
 
 
 def test_config_profile_switch_and_results_dir(wf):

@@ -151,7 +151,7 @@ def test_cli_jobs_and_errors(setup, tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_then_resume(setup, tmp_path):
+def test_sigkill_mid_run_then_resume(setup, tmp_path, paced_minite):
     """A real kill -9 of the job process between steps: rerunning the same command finishes the run with
     at most the step in flight recomputed, and the same curve as an uninterrupted run."""
     import os
@@ -164,7 +164,7 @@ def test_sigkill_mid_run_then_resume(setup, tmp_path):
     sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
 
     def cmd(out):
-        return [sys.executable, "-m", "minite", "rl", "--arm", "bf16", "--model", "tiny", "--steps", "4",
+        return [sys.executable, paced_minite, "rl", "--arm", "bf16", "--model", "tiny", "--steps", "4",
                 "--ckpt-every", "1", "--init", str(sft_dir), "--out", str(out), "--no-progress", *sets]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

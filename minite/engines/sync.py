@@ -53,13 +53,16 @@ def payload_from_hf_model(model, arm: Arm) -> dict:
 
 def sync_weights(trainer, sampler) -> dict:
     """Ship the trainer's weights to the sampler (``trainer.export_weights()`` -> ``sampler.load_weights``).
-    Returns a small summary (form, tensors, bytes) for logs."""
+    Returns a small summary (form, tensors, bytes; from a sharded trainer also its buckets and the bytes it
+    all-gathered) for logs."""
     payload = trainer.export_weights()
     if payload.get("form") != ("nvfp4_codes" if sampler.arm.sync == "nvfp4_codes" else "bf16"):
         raise ValueError(f"arm {sampler.arm.name} syncs {sampler.arm.sync!r} but the trainer exported "
                          f"{payload.get('form')!r}")
     sampler.load_weights(payload)
-    return {"form": payload["form"], "tensors": len(payload["tensors"]), "bytes": payload_bytes(payload)}
+    out = {"form": payload["form"], "tensors": len(payload["tensors"]), "bytes": payload_bytes(payload)}
+    gathered = getattr(trainer, "last_export", None)    # a sharded trainer: its buckets and bytes all-gathered
+    return {**out, "buckets": gathered["buckets"], "gather_bytes": gathered["gathered_bytes"]} if gathered else out
 
 
 def payload_bytes(payload: dict) -> int:

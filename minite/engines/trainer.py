@@ -11,6 +11,11 @@ Layers in ``first_layer`` / ``last_layer`` keep all their GEMMs in BF16 when the
 Precision: the model holds BF16 weights and computes in BF16; the optimizer (AdamW) holds fp32 master
 weights and fp32 state. Micro-batch gradients are accumulated in fp32 on the masters; after the step the
 masters are copied (rounded) into the BF16 model and the NVFP4 weight cache is invalidated.
+
+Several processes (torchrun, ``minite.distributed``): the model is sharded with FSDP2 (``fsdp.py``: one
+``fully_shard`` per decoder layer and the root); the sharded fp32 parameters are the masters, FSDP gathers
+them as the same BF16 weights, and every rank updates on its own rows of the batch, normalised by the loss
+tokens of all ranks. Weight sync gathers layer by layer in buckets (``sharded_sync.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from minite import distributed as D
 from minite.engines import experts as X
 from minite.engines import quant_linear as Q
 from minite.engines.arms import Arm, load_arm
@@ -38,7 +44,8 @@ class Trainer:
     def __init__(self, arm: Arm | str, model_cfg: dict | str, device: str = "cpu", seed: int = 0,
                  lr: float = 1e-4, micro_batch_size: int | None = None, checkpoint: str | None = None,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8, grad_clip: float | None = 1.0,
-                 weight_cache: str | None = None, compute_dtype: str = "bfloat16"):
+                 weight_cache: str | None = None, compute_dtype: str = "bfloat16", shard: bool | None = None,
+                 activation_checkpointing: bool = False):
         self.arm = load_arm(arm) if isinstance(arm, str) else arm
         self.model_cfg = load_model_config(model_cfg)
         self.device = torch.device(device)
@@ -51,6 +58,7 @@ class Trainer:
             from minite.engines.te_backend import require_te
             require_te()
         self.seed, self.micro_batch_size, self.grad_clip = seed, micro_batch_size, grad_clip
+        self.rounding_seed = seed       # stochastic rounding's streams (``_seed_rounding``); checkpointed
         attn = "sdpa"
         if r.attention == "invariant":
             from minite.engines.attention import register_attention
@@ -82,13 +90,30 @@ class Trainer:
             # the BF16 weights widened, the model computes in fp32 (CPUs without fast bf16 GEMMs); the masters
             # and the optimizer state are fp32 either way
             self.model.float()
+        if activation_checkpointing:
+            # each decoder layer's forward is recomputed in backward instead of keeping its activations (and
+            # the dequantized NVFP4 weights its GEMMs saved): the same numbers, less memory
+            enable = getattr(self.model, "activation_checkpointing_enable", None)   # transformers >= 5.2x
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._compute_fp32 = compute_dtype == "float32"
+        self.sharded = D.active() if shard is None else bool(shard)
+        if self.sharded:
+            if not D.active():
+                raise RuntimeError("shard=True needs a process group of several processes (launch with torchrun)")
+            from minite.engines import fsdp
+            fsdp.shard_model(self.model, self.device, getattr(torch, compute_dtype))
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
-        self.master = [p.detach().float().clone() for p in self.params]
+        # sharded: the fp32 shards are the masters (FSDP gathers them in the compute dtype)
+        self.master = self.params if self.sharded else [p.detach().float().clone() for p in self.params]
         kw = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                            **kw)
         self.update_count = 0
+        self.last_export = None     # sharded: the last sync's buckets and bytes gathered
 
     # ---------------------------------------------------------------------------------------- building
     def _param_names(self) -> list[str]:
@@ -192,38 +217,55 @@ class Trainer:
         self.qstate.collect()  # drop anything timed outside updates (logprobs, export)
         batch = self._batch(batch)
         b = batch["input_ids"].shape[0]
-        n_tokens = max(int(batch["loss_mask"][:, 1:].sum()), 1)
+        chunks = self._chunks(b)
+        n_loss = int(batch["loss_mask"][:, 1:].sum())
+        n_seen = int(batch["attention_mask"].sum())
+        if self.sharded:   # this rank's rows; the loss is normalised by the loss tokens of every rank
+            from minite.engines import fsdp
+            n_loss, b_all, row0, n_seen = fsdp.batch_layout(b, n_loss, n_seen, len(chunks))
+        else:
+            b_all, row0 = b, 0
+        n_tokens = max(n_loss, 1)
         loss_fn = loss_fn or default_loss
         self.model.train()
         for m in self.master:
-            m.grad = torch.zeros_like(m) if m.grad is None else m.grad.zero_()
+            if self.sharded:
+                m.grad = None     # FSDP writes the first reduce-scattered gradient, then accumulates
+            else:
+                m.grad = torch.zeros_like(m) if m.grad is None else m.grad.zero_()
         total = 0.0
-        for sl in self._chunks(b):
+        for sl in chunks:
             sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v)
                    for k, v in batch.items()}
-            sub["_n_tokens"], sub["_n_sequences"] = n_tokens, b
+            sub["_n_tokens"], sub["_n_sequences"] = n_tokens, b_all
+            self._seed_rounding(row0 + sl.start)
             lp = self._token_logprobs(sub["input_ids"], sub["attention_mask"])
             loss = loss_fn(lp, sub) / n_tokens
             loss.backward()
             total += float(loss.detach())
-            for p, m in zip(self.params, self.master, strict=True):
-                if p.grad is not None:
-                    m.grad.add_(p.grad)  # fp32 += bf16, promoted in place (no fp32 temporary)
-                    p.grad = None
+            if not self.sharded:
+                for p, m in zip(self.params, self.master, strict=True):
+                    if p.grad is not None:
+                        m.grad.add_(p.grad)  # fp32 += bf16, promoted in place (no fp32 temporary)
+                        p.grad = None
+        if self.sharded:
+            total = float(D.all_reduce([total])[0])
         if cuda:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ev[0].record()
         t_opt = time.perf_counter()
         clip = self.grad_clip if self.grad_clip is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, clip, foreach=True))
+        norm = torch.nn.utils.clip_grad_norm_(self.master, clip, foreach=True)
+        grad_norm = float(norm.full_tensor() if self.sharded else norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
             raise FloatingPointError(f"update {self.update_count}: gradient norm is {grad_norm} "
                                      "(NaN/Inf); the optimizer step was not taken")
         self.optimizer.step()
-        with torch.no_grad():
-            # fp32 master -> BF16 model (round to nearest)
-            for p, m in zip(self.params, self.master, strict=True):
-                p.copy_(m)
+        if not self.sharded:
+            with torch.no_grad():
+                # fp32 master -> BF16 model (round to nearest)
+                for p, m in zip(self.params, self.master, strict=True):
+                    p.copy_(m)
         self.qstate.bump()
         self.update_count += 1
         if cuda:
@@ -236,12 +278,19 @@ class Trainer:
         total_s = time.perf_counter() - t_start
         quant_s = spent.get("quantize", 0.0)
         gemm_s = spent.get("gemm") if r_nvfp4 else None   # BF16 GEMMs inside HF modules are not separated
-        return {"loss": total, "grad_norm": grad_norm, "tokens": int(batch["attention_mask"].sum()),
+        return {"loss": total, "grad_norm": grad_norm, "tokens": n_seen,
                 "time_s": total_s,
                 "times": {"quantize": quant_s, "gemm": gemm_s,
                           "other": total_s - opt_s - quant_s - (gemm_s or 0.0), "optimizer": opt_s},
                 "weight_quantizations": self.qstate.weight_quantizations,
                 "act_quantizations": self.qstate.act_quantizations}
+
+    def _seed_rounding(self, row: int) -> None:
+        """Stochastic rounding of gradients draws from a stream started afresh for every micro-batch, at a
+        seed fixed by (trainer seed, update, the micro-batch's first row in the whole batch): the same rows
+        get the same rounding noise however the batch is split over ranks."""
+        key = (self.rounding_seed * 1_000_003 + self.update_count) * 1_000_003 + row
+        self.qstate.generator.manual_seed(key % (2 ** 63 - 1))
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,7 +301,11 @@ class Trainer:
         self.model.eval()
         try:
             ids, am = batch["input_ids"], batch["attention_mask"]
-            return torch.cat([self._token_logprobs(ids[sl], am[sl]) for sl in self._chunks(ids.shape[0])])
+            chunks = self._chunks(ids.shape[0])
+            if self.sharded:
+                from minite.engines import fsdp
+                fsdp.check_chunks(len(chunks))
+            return torch.cat([self._token_logprobs(ids[sl], am[sl]) for sl in chunks])
         finally:
             self.model.train(was)
 
@@ -262,15 +315,29 @@ class Trainer:
             group["lr"] = lr
 
     def save_pretrained(self, path: str | Path) -> None:
-        """The model's weights as a local Hugging Face checkpoint (config.json + safetensors)."""
-        self.model.save_pretrained(str(path), safe_serialization=True)
+        """The model's weights as a local Hugging Face checkpoint (config.json + safetensors); sharded, rank 0
+        writes the gathered weights, in the compute dtype as one process would."""
+        if not self.sharded:
+            self.model.save_pretrained(str(path), safe_serialization=True)
+            return
+        from minite.engines import fsdp
+        dtype = torch.float32 if self._compute_fp32 else torch.bfloat16
+        sd = fsdp.full_model_state(self.model, dtype)
+        if D.is_main():
+            self.model.save_pretrained(str(path), state_dict=sd, safe_serialization=True)
+        D.barrier()
 
     # -------------------------------------------------------------------------------------------- sync
     def export_weights(self) -> dict:
         """{"form": "bf16"|"nvfp4_codes", "tensors": {hf_param_name: ...}} (docs/ENGINES.md, Sync).
         bf16: a BF16 copy of every parameter. nvfp4_codes: NVFP4Tensor per quantized linear — the cached
         codes of the current weights, the very ones the trainer's next forwards use (one quantization per
-        update) — a list of E NVFP4Tensors per quantized expert parameter, BF16 copies of the rest."""
+        update) — a list of E NVFP4Tensors per quantized expert parameter, BF16 copies of the rest.
+        Sharded: every rank gets the whole payload, gathered layer by layer in buckets (``sharded_sync``)."""
+        if self.sharded:
+            from minite.engines.sharded_sync import export_sharded
+            payload, self.last_export = export_sharded(self)
+            return payload
         params = dict(self.model.named_parameters())
         if self.arm.sync == "bf16":
             return {"form": "bf16", "tensors": {n: p.detach().to(torch.bfloat16).clone() for n, p in params.items()}}
@@ -287,33 +354,56 @@ class Trainer:
         return {"form": "nvfp4_codes", "tensors": tensors}
 
     # ------------------------------------------------------------------------------------- checkpoints
+    def identity(self) -> dict:
+        return {"arm": self.arm.name, "model": self.model_cfg["name"], "layers": self.model_cfg["num_hidden_layers"]}
+
+    def check_identity(self, state: dict, path) -> None:
+        mine = tuple(self.identity().values())
+        theirs = (state["arm"], state["model"], state["layers"])
+        if mine != theirs:
+            raise ValueError(f"checkpoint {path} is for (arm, model, layers) = {theirs}, this trainer is {mine}")
+
+    def rng_state(self) -> dict:
+        return {"torch": torch.get_rng_state(), "sr": self.qstate.generator.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
     def save(self, path: str | Path) -> None:
-        """Atomic checkpoint: fp32 masters, optimizer state, update count and every RNG stream."""
+        """Atomic checkpoint: fp32 masters, optimizer state, update count and every RNG stream. One process:
+        one file; sharded: a DCP directory written by every rank (``fsdp.save``)."""
+        if self.sharded:
+            from minite.engines import fsdp
+            fsdp.save(self, path)
+            return
         state = {
-            "arm": self.arm.name, "model": self.model_cfg["name"], "layers": self.model_cfg["num_hidden_layers"],
-            "update_count": self.update_count, "quant_version": self.qstate.version,
-            "master": {n: m for n, m in zip(self.names, self.master, strict=True)},
-            "optimizer": self.optimizer.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "sr": self.qstate.generator.get_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            **self.identity(), "update_count": self.update_count, "quant_version": self.qstate.version,
+            "rounding_seed": self.rounding_seed, "master": {n: m for n, m in zip(self.names, self.master, strict=True)},
+            "optimizer": self.optimizer.state_dict(), "rng": self.rng_state(),
         }
         with atomic_path(path, "wb") as f:
             torch.save(state, f)
 
     def load(self, path: str | Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        mine = (self.arm.name, self.model_cfg["name"], self.model_cfg["num_hidden_layers"])
-        theirs = (state["arm"], state["model"], state["layers"])
-        if mine != theirs:
-            raise ValueError(f"checkpoint {path} is for (arm, model, layers) = {theirs}, this trainer is {mine}")
-        with torch.no_grad():
-            for n, m, p in zip(self.names, self.master, self.params, strict=True):
-                m.copy_(state["master"][n])
-                p.copy_(m)
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Load a checkpoint of either form, whatever number of processes wrote it."""
+        from minite.engines import fsdp
+        if self.sharded:
+            state = fsdp.load(self, path)
+        else:
+            if fsdp.is_sharded_checkpoint(path):
+                state = fsdp.load_into_single(path, self.names)
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            self.check_identity(state, path)
+            with torch.no_grad():
+                for n, m, p in zip(self.names, self.master, self.params, strict=True):
+                    m.copy_(state["master"][n])
+                    p.copy_(m)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.update_count = state["update_count"]
-        torch.set_rng_state(state["rng"]["torch"])
-        self.qstate.generator.set_state(state["rng"]["sr"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.rounding_seed = state.get("rounding_seed", self.rounding_seed)
+        rng = state["rng"]
+        if rng is not None:       # a checkpoint of another world size has no stream for this rank
+            torch.set_rng_state(rng["torch"])
+            self.qstate.generator.set_state(rng["sr"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
         self.qstate.bump()

@@ -6,6 +6,10 @@ JSON also holds every step's time and their spread (``step_ms_stats``: n, median
 min, max; ``minite.telemetry.timing_summary``), so a reader can tell a measurement from machine noise.
 Writes one JSON (atomically; nothing on a bad arm/model) with the step split, peak memory, GPU telemetry
 and provenance (sha, device, command, date, torch / triton versions, GPU driver).
+
+Under torchrun (``--nproc-per-node N``) the update's sequences are split over the N ranks (the FSDP2 learner,
+``minite.engines.fsdp``): tokens per update stay the global batch, so tokens_per_s compares with one GPU;
+``peak_mem_gb`` is the largest of the ranks (``peak_mem_gb_per_rank`` lists them) and rank 0 writes.
 """
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ import time
 
 import torch
 from tqdm import tqdm
+
+from minite import distributed as D
+
+DISTRIBUTED = True      # runs under torchrun: one process per GPU
 
 # per model: (sequences per update, sequence length, layers (None = all), micro-batch size in sequences)
 DEFAULTS = {"tiny": (4, 64, None, None), "small": (16, 512, None, 8), "qwen3_30b_a3b": (16, 2048, 2, 2)}
@@ -49,6 +57,8 @@ def add_args(p) -> None:
     p.add_argument("--weight-cache", choices=("per_update", "per_forward"), default=None,
                    help="NVFP4 weight quantization: once per update or every forward (default: the arm's — "
                         "per_update for minite, per_forward for naive, as te.Linear without is_first_microbatch)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer's forward in backward (less activation memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-profile", default=None, metavar="CSV",
                    help="after the timed steps, profile one more update with torch.profiler and write its ops "
@@ -89,23 +99,30 @@ def run(args) -> int:
         return _fail("--device cuda but no CUDA GPU is available")
     n_seq = tokens // seq_len
     mbs = args.micro_batch_size or mbs
+    try:
+        rows = D.row_share(n_seq, "sequences per update")
+    except ValueError as e:
+        return _fail(str(e))
 
     from minite.engines.trainer import Trainer
 
     try:
         trainer = Trainer(arm, cfg, device=device, seed=args.seed, micro_batch_size=mbs,
-                          checkpoint=args.checkpoint, weight_cache=args.weight_cache)
+                          checkpoint=args.checkpoint, weight_cache=args.weight_cache,
+                          activation_checkpointing=args.activation_checkpointing)
     except (ValueError, ModelConfigError) as e:
         return _fail(str(e))
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(3, cfg["vocab_size"], (n_seq, seq_len), generator=g)
+    ids = ids[rows]                          # this rank's sequences (all of them in one process)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     results = []
     tel = GPUTelemetry(device)
-    for i in tqdm(range(args.warmup + args.steps), desc=f"bench-learner {arm.name}", unit="update"):
+    for i in tqdm(range(args.warmup + args.steps), desc=f"bench-learner {arm.name}", unit="update",
+                  disable=not D.is_main()):
         if i == args.warmup:
             tel.start()
         if cuda:
@@ -133,6 +150,8 @@ def run(args) -> int:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB (Linux)
         mem_note = "peak process RSS (CPU run)"
+    peaks = D.all_gather_object(peak)
+    peak = max(peaks)
     n_params = sum(p.numel() for p in trainer.params)
     out = {
         "tokens_per_s": tokens / med, "step_ms": med * 1e3, "step_ms_all": [s * 1e3 for s in step_s],
@@ -147,6 +166,8 @@ def run(args) -> int:
         "weight_quantizations_per_update": (results[-1]["weight_quantizations"]
                                             - results[-2]["weight_quantizations"]) if len(results) > 1 else None,
         "peak_mem_gb": peak, "peak_mem_source": mem_note,
+        **({"peak_mem_gb_per_rank": peaks, "world_size": len(peaks)} if len(peaks) > 1 else {}),
+        "activation_checkpointing": args.activation_checkpointing,
         "telemetry": tel.summary(tokens=tokens * len(results)),
         "arm": arm.name, "model": cfg["name"], "layers": cfg["num_hidden_layers"], "params": n_params,
         "tokens_per_update": tokens, "seq_len": seq_len, "micro_batch_size": mbs or n_seq,
@@ -160,6 +181,8 @@ def run(args) -> int:
         out["torch_profile"] = repo_relative(args.torch_profile)
         write_profile(args.torch_profile, trainer, batch, cuda, {"arm": arm.name, "sha": out["sha"],
                                                                   "device": out["device"]})
+    if not D.is_main():
+        return 0
     write_json(args.out, out)
     print(f"{arm.name} {cfg['name']} x{cfg['num_hidden_layers']} layers on {out['device']}: "
           f"{out['tokens_per_s']:.1f} tokens/s, {out['step_ms']:.1f} ms/update (median of {stats['n']}; "
@@ -201,4 +224,5 @@ def write_profile(path, trainer, batch, cuda: bool, meta: dict, top: int = 60) -
     order = "self_device_ms" if cuda else "self_cpu_ms"
     ranges = df[df["name"].str.startswith("minite.")]
     df = pd.concat([ranges, df.drop(ranges.index).sort_values(order, ascending=False).head(top)])
-    write_csv(path, df)
+    if D.is_main():       # every rank ran the update (its collectives); rank 0's profile is written
+        write_csv(path, df)

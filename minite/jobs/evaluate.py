@@ -11,6 +11,8 @@ from minite.jobs import common
 
 log = logging.getLogger(__name__)
 
+DISTRIBUTED = True      # runs under torchrun: each rank's sampler replica answers a share of the prompts
+
 
 def add_args(p) -> None:
     common.add_arm(p)
@@ -19,7 +21,9 @@ def add_args(p) -> None:
     common.add_device(p)
     common.add_seed(p)
     common.add_progress(p)
-    p.add_argument("--run", required=True, help="the stability run directory (python -m minite rl --out)")
+    p.add_argument("--run-dir", "--run", dest="run", required=True,
+                   help="the stability run directory (python -m minite rl --out); spell it --run-dir under torchrun, "
+                        "whose own parser takes --run for an abbreviation of its --run-path")
     common.add_checkpoint(p, help="warm start for step 0 (default: the one the run's run.json names)")
     p.add_argument("--steps", type=int, nargs="*", default=None, help="only these checkpoint steps")
     common.add_out(p, help="output CSV path")

@@ -3,7 +3,8 @@
 Rerunning the same command after a kill resumes from the newest checkpoint (``<out>/ckpt/``) and produces
 the same curve; a larger ``--steps`` extends a finished run. Writes ``<out>/stability.jsonl`` (one line per
 step), ``<out>/stability_summary.json`` (drift alarm step, collapse step, lead, final reward, provenance) and
-``<out>/run.json``. See ``minite.rl.stability``.
+``<out>/run.json``. See ``minite.rl.stability``. Under torchrun (several GPUs) each process runs a sampler
+replica and a shard of the learner, and rank 0 writes the same files.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import logging
 from minite.jobs import common
 
 log = logging.getLogger(__name__)
+
+DISTRIBUTED = True      # runs under torchrun: data-parallel rollouts, the FSDP2 learner (minite.rl.stability)
 
 
 def add_args(p) -> None:

@@ -11,6 +11,8 @@ from minite.jobs import common
 
 log = logging.getLogger(__name__)
 
+DISTRIBUTED = True      # runs under torchrun: the FSDP2 trainer, each rank on its rows (minite.rl.sft)
+
 
 def add_args(p) -> None:
     common.add_model(p)

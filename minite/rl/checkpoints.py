@@ -6,7 +6,8 @@
     <out>/ckpt/step_XXXXXX/      trainer state (``trainer``: masters, optimizer, RNG) + ``loop_state.json``
 
 A checkpoint is written into a temporary directory and renamed into place, so a kill never leaves half of
-one; ``checkpoints`` lists only complete ones (their ``loop_state.json`` exists).
+one; ``checkpoints`` lists only complete ones (their ``loop_state.json`` exists). Under torchrun every rank
+writes its trainer shards into ``trainer/`` (a DCP directory); rank 0 does everything else, after the others.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from minite import distributed as D
 from minite.provenance import write_json, write_text
 
 CKPT_PREFIX = "step_"
@@ -86,19 +88,24 @@ def latest_checkpoint(out) -> Path | None:
 
 def save_checkpoint(out, step: int, trainer, loop_state: dict, keep: int | None = None) -> Path:
     """``ckpt/step_XXXXXX``: the trainer's state and ``loop_state`` (JSON), atomically; then only the newest
-    ``keep`` checkpoints are kept (all when None)."""
+    ``keep`` checkpoints are kept (all when None). Every rank calls it (the trainer's save is collective)."""
     d = Path(out) / "ckpt"
     final = d / f"{CKPT_PREFIX}{step:06d}"
     tmp = d / f".tmp_{CKPT_PREFIX}{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    main = D.is_main()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    D.barrier()
     trainer.save(str(tmp / "trainer"))
-    write_json(tmp / "loop_state.json", loop_state)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    if keep:
-        for _, old in checkpoints(out)[:-int(keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+    if main:
+        write_json(tmp / "loop_state.json", loop_state)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        if keep:
+            for _, old in checkpoints(out)[:-int(keep)]:
+                shutil.rmtree(old, ignore_errors=True)
+    D.barrier()
     return final
 
 
@@ -111,6 +118,22 @@ def load_checkpoint(path: Path, trainer) -> dict:
 def generator_state(gen: torch.Generator) -> str:
     """A torch.Generator's state as text (for loop_state.json)."""
     return base64.b64encode(gen.get_state().numpy().tobytes()).decode()
+
+
+def generator_states(gen: torch.Generator) -> dict:
+    """The sampling generator's state for loop_state.json: ``generator`` (rank 0's, the one stream of a
+    single process) and, under torchrun, ``generators`` (every rank's, in rank order; a collective)."""
+    states = D.all_gather_object(generator_state(gen))
+    return {"generator": states[0], **({"generators": states} if len(states) > 1 else {})}
+
+
+def rank_generator_state(loop_state: dict) -> str:
+    """This rank's sampling generator state in a checkpoint's loop state."""
+    states = loop_state.get("generators", [loop_state["generator"]])
+    if len(states) != D.world_size():
+        raise RunDirectoryError(f"the checkpoint holds {len(states)} sampling streams, this run has "
+                                f"{D.world_size()} processes: resume with the same number")
+    return states[D.rank()]
 
 
 def restore_generator(gen: torch.Generator, state: str) -> None:

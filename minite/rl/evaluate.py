@@ -6,6 +6,9 @@ held-out prompt at the configured temperature / top-p. mean@k = mean over prompt
 prompt's k samples that are exactly right (an unbiased estimate of the expected single-sample accuracy).
 Sampling uses its own generator seeded by (seed, step), so an evaluation is reproducible and independent of
 the RL run's random state. Rows: arm, step, k, mean_at_k, pass_at_k, n_prompts, temperature, sha, device, date.
+
+Under torchrun every rank loads and syncs each checkpoint (the sharded trainer), its sampler replica answers
+every N-th prompt with its own stream, and rank 0 writes the CSV of all of them.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from minite import distributed as D
 from minite.engines.sync import sync_weights
 from minite.provenance import provenance, write_csv
 from minite.rl.checkpoints import checkpoints
@@ -37,7 +41,8 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
         spec = dataclasses.replace(spec, init=resolve_stored_path(init) if init else None)
     arm, task, model_cfg, seed, device = spec.arm, spec.task, spec.model_cfg, spec.seed, spec.device
     ev = spec.cfg["eval"]
-    problems = task.heldout(ev["n_prompts"])
+    everyone = task.heldout(ev["n_prompts"])
+    problems = everyone[D.rank()::D.world_size()]      # this rank's prompts (all of them in one process)
     k = int(ev["k"])
     cks = checkpoints(run_dir)
     todo = ([(0, None)] if spec.init is not None or model_cfg.get("checkpoint") or not cks else []) + cks
@@ -45,7 +50,7 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
         todo = [(s, p) for s, p in todo if s in set(steps)]
     if not todo:
         raise FileNotFoundError(f"{run_dir}: no checkpoints to evaluate (run `python -m minite rl` first)")
-    chunk = max(1, min(len(problems), 256 // k))          # prompts per generate call (x k samples)
+    chunk = max(1, min(len(everyone), 256 // k))          # prompts per generate call (x k samples)
     trainer, sampler = spec.engines(max_batch=chunk * k, max_seq_len=task.max_prompt_len + ev["max_new_tokens"])
     prov = provenance(device)
     rows = []
@@ -57,22 +62,24 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
                      "temperature": ev["temperature"], "sha": prov["sha"], "device": prov["device"],
                      "date": prov["date"]})
     df = pd.DataFrame(rows, columns=COLUMNS)
-    write_csv(out_csv, df)
+    if D.is_main():
+        write_csv(out_csv, df)
     return df
 
 
 def heldout_accuracy(task, sampler, problems, ev: dict, seed: int, updates: int, chunk: int) -> dict:
     """The sampler's mean@k and pass@k on ``problems`` (the ``eval`` section's k, temperature, top-p and
     max_new_tokens), ``chunk`` prompts (x k samples) per generate call; its own generator, seeded by
-    (seed, updates), so an evaluation is reproducible and never touches the RL run's random state.
+    (seed, updates, rank), so an evaluation is reproducible and never touches the RL run's random state. Under
+    torchrun ``problems`` is this rank's share; the result pools every rank's.
     Returns {"k", "mean_at_k", "pass_at_k", "n_prompts"}."""
     k = int(ev["k"])
-    gen = torch.Generator(device=sampler.device).manual_seed(10_007 * seed + updates)
+    gen = torch.Generator(device=sampler.device).manual_seed(10_007 * seed + updates + 1_000_003 * D.rank())
     correct = []
     for i in range(0, len(problems), chunk):
         ro = rollout(task, sampler, problems[i:i + chunk], k, max_new_tokens=ev["max_new_tokens"],
                      temperature=ev["temperature"], top_p=ev["top_p"], generator=gen)
         correct.append(ro.rewards.view(-1, k))
-    c = torch.cat(correct)
+    c = torch.cat([x for part in D.all_gather_object(correct) for x in part])   # every rank's share
     return {"k": k, "mean_at_k": float(c.mean(1).mean()), "pass_at_k": float((c.max(1).values > 0).float().mean()),
-            "n_prompts": len(problems)}
+            "n_prompts": c.shape[0]}

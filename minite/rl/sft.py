@@ -15,6 +15,9 @@ Accuracy without sampling: for a held-out prompt the probability that a temperat
 the exact expected accuracy (mean@1 at temperature 1, top_p 1) under the trainer. We also report
 ``greedy_certain``: the fraction of prompts where every answer token has probability > 0.5 (then greedy
 decoding provably returns the answer).
+
+Under torchrun the bf16 trainer is sharded (FSDP2): each rank trains on its rows of every batch (the batch
+size must split evenly), every rank scores the whole held-out set, and rank 0 writes the weights and sft.json.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minite import distributed as D
 from minite.provenance import provenance, write_json
 from minite.rl.config import config_hash
+from minite.rl.data_parallel import local_rows
 from minite.tasks import sft_batch
 
 
@@ -75,7 +80,8 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     for step in bar:
         # cosine decay to 10% of lr: a short run at a high lr needs the anneal to settle (linear warm-up 5%)
         trainer.set_lr(s["lr"] * _lr_factor(step, n))
-        stats = trainer.update(sft_batch(task, task.train_batch(step, s["batch_size"], stream="sft")))
+        batch = sft_batch(task, task.train_batch(step, s["batch_size"], stream="sft"))
+        stats = trainer.update(local_rows(batch, s["batch_size"]))
         losses.append(float(stats["loss"]))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"SFT diverged at step {step}: loss {losses[-1]}")
@@ -84,12 +90,15 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     after = evaluate_teacher_forced(trainer, task, heldout)
 
     weights = None
+    main = D.is_main()
     if n > 0 or model_cfg.get("checkpoint") is None:
         tmp = out / ".weights.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        trainer.save_pretrained(tmp)
-        shutil.rmtree(out / "weights", ignore_errors=True)
-        tmp.rename(out / "weights")
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        trainer.save_pretrained(tmp)        # sharded: every rank gathers, rank 0 writes
+        if main:
+            shutil.rmtree(out / "weights", ignore_errors=True)
+            tmp.rename(out / "weights")
         weights = "weights"
     info = {"config_hash": h, "weights": weights, "compute_dtype": dtype, "model": model_cfg.get("name"),
             "task": task.config(), "sft": s, "seed": seed, "steps": n, "final_loss": losses[-1] if losses else None,
@@ -100,7 +109,9 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
                                             "trainer = exact mean@1 at temperature 1",
                             "greedy_certain": "fraction of held-out prompts whose every answer token has p > 0.5"},
             "provenance": provenance(device)}
-    write_json(out / "sft.json", info)
+    if main:
+        write_json(out / "sft.json", info)
+    D.barrier()
     return {**info, "cache_hit": False}
 
 

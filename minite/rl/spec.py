@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from minite import distributed as D
 from minite.engines import build_engines
 from minite.engines.arms import Arm
 from minite.rl.config import config_hash, with_arm_settings
@@ -47,10 +48,13 @@ class RunSpec:
 
     def run_id(self) -> str:
         """Hash of everything that changes the curve (not the checkpoint cadence, evals, the measurements
-        beside the curve (``metrics``) or file locations)."""
+        beside the curve (``metrics``) or file locations; the number of processes when above one)."""
         cfg = {k: v for k, v in self.cfg.items() if k not in ("ckpt", "eval", "metrics", "_source")}
-        return config_hash({"arm": self.arm.raw or self.arm.name, "model": self.model_cfg, "cfg": cfg,
-                            "task": self.task.config(), "seed": self.seed, "init": self.init_path})
+        key = {"arm": self.arm.raw or self.arm.name, "model": self.model_cfg, "cfg": cfg,
+               "task": self.task.config(), "seed": self.seed, "init": self.init_path}
+        if D.world_size() > 1:        # each process samples its own stream: the curve depends on their number
+            key["world_size"] = D.world_size()
+        return config_hash(key)
 
     def engines(self, max_batch: int, max_seq_len: int):
         """(trainer, sampler) holding the warm-start weights, the sampler calibrated when the arm needs it."""

@@ -11,13 +11,14 @@ One step (docs/ENGINES.md):
 and one JSONL line per step (``stability.jsonl``; keys ending in ``_s`` / ``_per_s`` are timings, everything
 else is a deterministic function of the seed). Phases: ``generate_s`` = sampling + reward checking,
 ``score_s`` = the trainer's log-prob recompute, ``update_s`` = the learner update, ``sync_s`` = the weight
-sync (``sync_bytes`` shipped); ``*_tokens_per_s`` = response tokens (generate) or all tokens (score, update)
-per second. Entropy is the SAMPLER-side Monte-Carlo estimate: minus the
-mean log-prob of the sampled response tokens under the distribution they were sampled from. The drift
-measurements beside the mismatch metrics (response lengths, the max-|dlogp| token's probabilities, router
-top-k disagreement, in-run held-out accuracy) are ``minite.rl.step_metrics``, one call per step before the
-update; ``metrics_s`` is their time. The drift alarm runs on ``rl.drift_metric`` and, through
-``DriftWatch``, on each metric of ``metrics.watch``; the summary's ``alarms`` gives each one's alarm step.
+sync (``sync_bytes`` shipped; under torchrun ``sync_gather_bytes`` all-gathered per rank);
+``*_tokens_per_s`` = response tokens (generate) or all tokens (score, update) per second. Entropy is the
+SAMPLER-side Monte-Carlo estimate: minus the mean log-prob of the sampled response tokens under the
+distribution they were sampled from. The drift measurements beside the mismatch metrics (response lengths,
+the max-|dlogp| token's probabilities, router top-k disagreement, in-run held-out accuracy) are
+``minite.rl.step_metrics``, one call per step before the update; ``metrics_s`` is their time. The drift alarm
+runs on ``rl.drift_metric`` and, through ``DriftWatch``, on each metric of ``metrics.watch``; the summary's
+``alarms`` gives each one's alarm step.
 
 Determinism and resume: the prompts of step s are a pure function of (seed, s); sampling draws from one
 ``torch.Generator`` whose state is checkpointed; ``trainer.save`` holds model + optimizer + RNG. A checkpoint
@@ -28,9 +29,16 @@ checkpoint, drops the JSONL lines after it and recomputes them: with ``ckpt.ever
 flight is lost, and the curve is the same as an uninterrupted run's. Every invocation appends one line to
 ``segments.jsonl`` (the step it resumed from, the target, its provenance). The directory layout, the lock
 and the checkpoint I/O are ``minite.rl.checkpoints``.
+
+Under torchrun (several processes) every rank runs the loop: its sampler replica answers its share of the
+step's rows and its trainer shard trains on them (``minite.rl.data_parallel``); every rank sees the whole
+step, and rank 0 alone writes the step log, run.json, segments and the summary. Checkpoints hold each rank's
+trainer shards (DCP) and sampling generator; a run resumes with the same number of processes (the number is
+part of the run's identity when above one).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -41,13 +49,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minite import distributed as D
 from minite.diagnostics.metrics import align_trainer_logprobs, mismatch_metrics
 from minite.engines.sync import sync_weights
 from minite.provenance import append_jsonl, provenance, write_json
 from minite.rl import checkpoints as ck
+from minite.rl import data_parallel as dp
 from minite.rl.drift import CollapseDetector, DriftAlarm, DriftWatch, lead_steps
 from minite.rl.grpo import group_advantages, make_loss_fn, tis_weights
-from minite.rl.rollout import rollout, sequence_accuracy
+from minite.rl.rollout import sequence_accuracy
 from minite.rl.spec import RunSpec, stored_path
 from minite.rl.step_metrics import StepMetrics
 
@@ -91,7 +101,7 @@ def run_stability(spec: RunSpec, out_dir, steps: int, *, ckpt_every: int | None 
     """Run (or resume) ``steps`` GRPO steps of ``spec``; returns the summary dict (also written to disk)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with ck.single_writer(out):
+    with ck.single_writer(out) if D.is_main() else contextlib.nullcontext():
         return _run(spec, out, steps, int(ckpt_every or spec.cfg["ckpt"]["every"]), progress)
 
 
@@ -101,11 +111,13 @@ class _Loop:
     def __init__(self, spec: RunSpec, sc: StepConfig):
         rl = spec.cfg["rl"]
         self.task, self.sc = spec.task, sc
-        self.trainer, self.sampler = spec.engines(max_batch=sc.prompts * sc.group_size,
+        rows = D.row_share(sc.prompts * sc.group_size, "rollout rows (rl.prompts_per_step x rl.group_size)")
+        self.trainer, self.sampler = spec.engines(max_batch=rows.stop - rows.start,
                                                   max_seq_len=spec.task.max_prompt_len + sc.max_new_tokens)
         self.loss_fn = make_loss_fn(rl["clip_low"], rl["clip_high"], rl["beta"], rl["tis_cap"], rl["agg"])
         self.reference = spec.reference() if rl["beta"] else None
-        self.gen = torch.Generator(device=spec.device).manual_seed(spec.seed)
+        # one sampling stream per rank (rank 0's is the single-process one)
+        self.gen = torch.Generator(device=spec.device).manual_seed(spec.seed + 1_000_003 * D.rank())
         self.metrics = StepMetrics(spec.cfg, spec.task, max_new_tokens=sc.max_new_tokens, seed=spec.seed,
                                    max_seq_len=spec.task.max_prompt_len + sc.max_new_tokens,
                                    max_batch=sc.prompts * sc.group_size)
@@ -115,10 +127,10 @@ class _Loop:
         P, G = sc.prompts, sc.group_size
         problems = task.train_batch(step, P)
         t0 = time.perf_counter()
-        ro = rollout(task, self.sampler, problems, G, max_new_tokens=sc.max_new_tokens,
-                     temperature=sc.temperature, top_p=sc.top_p, generator=self.gen)
+        ro = dp.rollout_rows(task, self.sampler, problems, G, max_new_tokens=sc.max_new_tokens,
+                             temperature=sc.temperature, top_p=sc.top_p, generator=self.gen)
         t1 = time.perf_counter()
-        logp_t = trainer.logprobs(ro.tokens, ro.attention_mask).detach().float().cpu()   # [B, L-1]
+        logp_t = dp.logprobs(trainer, ro.tokens, ro.attention_mask)   # [B, L-1]
         t2 = time.perf_counter()
         mm = mismatch_metrics(ro.sampler_logprobs, align_trainer_logprobs(logp_t), ro.response_mask)
         drift = self.metrics(step, ro, logp_t, trainer, self.sampler)          # minite.rl.step_metrics
@@ -130,8 +142,8 @@ class _Loop:
         batch = {"input_ids": ro.tokens, "attention_mask": ro.attention_mask, "loss_mask": ro.response_mask,
                  "old_logprobs": logp_t, "advantages": adv, "sampler_logprobs": ro.sampler_logprobs[:, 1:]}
         if self.reference is not None:
-            batch["ref_logprobs"] = self.reference.logprobs(ro.tokens, ro.attention_mask).detach().float().cpu()
-        upd = trainer.update(batch, loss_fn=self.loss_fn)
+            batch["ref_logprobs"] = dp.logprobs(self.reference, ro.tokens, ro.attention_mask)
+        upd = trainer.update(dp.local_rows(batch, P * G), loss_fn=self.loss_fn)
         t3 = time.perf_counter()
         synced = sync_weights(trainer, self.sampler) or {}
         t4 = time.perf_counter()
@@ -165,6 +177,8 @@ class _Loop:
         if synced.get("bytes"):
             rec["sync_bytes"] = int(synced["bytes"])
             rec["sync_bytes_per_s"] = synced["bytes"] / (t4 - t3) if t4 > t3 else None
+        if synced.get("gather_bytes"):       # several processes: bytes each rank received in the all-gathers
+            rec["sync_gather_bytes"] = int(synced["gather_bytes"])
         rec["step_s"] = t4 - t0
         for k, v in rec.items():
             if isinstance(v, float) and not math.isfinite(v) and not is_timing_key(k):
@@ -182,29 +196,32 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
     watch = DriftWatch(cfg["metrics"]["watch"], **cfg["drift"])
     jsonl = out / "stability.jsonl"
     start, wall0 = 0, 0.0
-    last = ck.latest_checkpoint(out)
+    last = D.broadcast_object(ck.latest_checkpoint(out))     # rank 0's view of the directory decides
     if last is not None:
         state = ck.load_checkpoint(last, loop.trainer)
         sync_weights(loop.trainer, loop.sampler)
-        ck.restore_generator(loop.gen, state["generator"])
+        ck.restore_generator(loop.gen, ck.rank_generator_state(state))
         alarm.load_state_dict(state["drift"])
         collapse.load_state_dict(state["collapse"])
         watch.load_state_dict(state.get("watch"))
         start, wall0 = int(state["step"]), float(state["wall_s"])
-    ck.truncate_jsonl(jsonl, start)
-    prov = provenance(spec.device)
-    stored_cfg = {**cfg, "_source": stored_path(cfg["_source"])} if cfg.get("_source") else cfg
-    write_json(out / "run.json", {"run_id": run_id, "arm": arm.name, "model": spec.model_cfg.get("name"),
-                                  "init": spec.init_path, "seed": spec.seed, "config": stored_cfg,
-                                  "task": spec.task.config(), "resumed_from": start, "provenance": prov})
-    # run.json describes the latest invocation only; segments.jsonl keeps every one (a long run done in
-    # several jobs, each possibly from another commit) -- a scheduler may clear the job's log between them.
-    append_jsonl(out / "segments.jsonl", {"resumed_from": start, "target_steps": steps, "run_id": run_id, **prov})
+    main = D.is_main()
+    prov = {**provenance(spec.device), **({"world_size": D.world_size()} if D.world_size() > 1 else {})}
+    if main:
+        ck.truncate_jsonl(jsonl, start)
+        stored_cfg = {**cfg, "_source": stored_path(cfg["_source"])} if cfg.get("_source") else cfg
+        write_json(out / "run.json", {"run_id": run_id, "arm": arm.name, "model": spec.model_cfg.get("name"),
+                                      "init": spec.init_path, "seed": spec.seed, "config": stored_cfg,
+                                      "task": spec.task.config(), "resumed_from": start, "provenance": prov})
+        # run.json describes the latest invocation only; segments.jsonl keeps every one (a long run done in
+        # several jobs, each possibly from another commit) -- a scheduler may clear the job's log between them.
+        append_jsonl(out / "segments.jsonl",
+                     {"resumed_from": start, "target_steps": steps, "run_id": run_id, **prov})
     if start:
         log.info("rl %s: resuming from checkpoint step %d (wall %.1f s so far)", arm.name, start, wall0)
 
     t_run = time.perf_counter()
-    bar = tqdm(range(start + 1, steps + 1), desc=f"rl {arm.name}", disable=not progress, initial=start,
+    bar = tqdm(range(start + 1, steps + 1), desc=f"rl {arm.name}", disable=not (progress and main), initial=start,
                total=steps, unit="step")
     for step in bar:
         rec = loop.step(step)
@@ -212,15 +229,18 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
         rec.update(collapse.update(step, rec["reward_mean"]))
         rec.update(watch.update(step, rec))
         rec["wall_s"] = wall0 + time.perf_counter() - t_run
-        append_jsonl(jsonl, {"arm": arm.name, **rec})
+        if main:
+            append_jsonl(jsonl, {"arm": arm.name, **rec})
         bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", k3=f"{rec['k3']:.2e}")
         _after_step(step)
         if step % every == 0 or step == steps:
             state = {"step": step, "data_position": step, "wall_s": rec["wall_s"],
-                     "generator": ck.generator_state(loop.gen), "drift": alarm.state_dict(),
+                     **ck.generator_states(loop.gen), "drift": alarm.state_dict(),
                      "collapse": collapse.state_dict(), "watch": watch.state_dict()}
             ck.save_checkpoint(out, step, loop.trainer, state, cfg["ckpt"]["keep"])
     bar.close()
+    if not main:
+        return D.broadcast_object(None)
 
     summary = {"arm": arm.name, "model": spec.model_cfg.get("name"), "steps": max(start, steps),
                "drift_metric": sc.drift_metric, "alarm_step": alarm.alarm_step,
@@ -238,7 +258,7 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
                                "lead_steps": "collapse_step - alarm_step"},
                "provenance": provenance(spec.device)}
     write_json(out / "stability_summary.json", summary)
-    return summary
+    return D.broadcast_object(summary)
 
 
 def _final_rewards(jsonl: Path) -> dict:

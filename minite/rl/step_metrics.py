@@ -40,6 +40,7 @@ import torch
 
 from minite.diagnostics.localise import SamplerCapture, attention_mask_for, capture_trainer, compare_positions
 from minite.diagnostics.metrics import align_trainer_logprobs
+from minite import distributed as D
 from minite.rl.evaluate import heldout_accuracy
 
 
@@ -103,7 +104,7 @@ class StepMetrics:
             if task.max_prompt_len + ev["max_new_tokens"] > max_seq_len:
                 raise ValueError(f"metrics.heldout_every: eval.max_new_tokens ({ev['max_new_tokens']}) must not exceed "
                                  f"rl.max_new_tokens ({max_new_tokens}): the in-run evaluation uses the RL sampler")
-            self.problems = task.heldout(ev["n_prompts"])
+            self.problems = task.heldout(ev["n_prompts"])[D.rank()::D.world_size()]   # this rank's share
             self.chunk = max(1, min(len(self.problems), max_batch // int(ev["k"])))
 
     def __call__(self, step: int, rollout, logp_t: torch.Tensor, trainer, sampler) -> dict:

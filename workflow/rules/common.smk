@@ -140,5 +140,13 @@ def job_gpus(name: str) -> int:
     return int(job(name).get("gpu", 0))
 
 
+def minite(name: str) -> str:
+    """The command that runs job `name` (a shell-string prefix; `{PY}` is filled in by Snakemake): `python -m
+    minite`, or, when the profile gives the job more than one GPU, the same under torchrun with one process per
+    GPU (`python -m torch.distributed.run`: torchrun with the same interpreter)."""
+    n = job_gpus(name)
+    return "{PY} " + (f"-m torch.distributed.run --standalone --nproc-per-node {n} " if n > 1 else "") + "-m minite"
+
+
 def per_arm(pattern: str) -> list[str]:
     return expand(pattern, arm=ARMS)

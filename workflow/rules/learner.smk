@@ -15,7 +15,7 @@ rule bench_learner:
     resources:
         gpu=job_gpus("bench_learner"),
     shell:
-        "OMP_NUM_THREADS={threads} {PY} -m minite bench-learner --arm {wildcards.arm} {params.args}"
+        "OMP_NUM_THREADS={threads} " + minite("bench_learner") + " bench-learner --arm {wildcards.arm} {params.args}"
         " --out {output} > {log} 2>&1"
 
 

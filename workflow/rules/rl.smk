@@ -4,6 +4,7 @@
 # declared outputs, so snakemake never deletes them; only stability_summary.json (written at the end) is.
 # A killed run therefore resumes from its last checkpoint when the target is requested again, and raising
 # `steps` in the config (a params change) extends the run instead of restarting it.
+# A job the profile gives more than one GPU (`jobs.<job>.gpu`) runs under torchrun, one process per GPU.
 
 
 # The warm start is done when its weights exist (sft.json alone is not enough: the weights are large and may
@@ -27,7 +28,7 @@ rule sft:
     resources:
         gpu=job_gpus("sft"),
     shell:
-        "OMP_NUM_THREADS={threads} {PY} -m minite sft {params.args} --out {params.out} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} " + minite("sft") + " sft {params.args} --out {params.out} > {log} 2>&1"
 
 
 rule rl:
@@ -47,7 +48,7 @@ rule rl:
     resources:
         gpu=job_gpus("rl"),
     shell:
-        "OMP_NUM_THREADS={threads} {PY} -m minite rl --arm {wildcards.arm} {params.args}"
+        "OMP_NUM_THREADS={threads} " + minite("rl") + " rl --arm {wildcards.arm} {params.args}"
         " --checkpoint {params.init} --out {params.out} >> {log} 2>&1"
 
 
@@ -67,5 +68,5 @@ rule eval:
     resources:
         gpu=job_gpus("eval"),
     shell:
-        "OMP_NUM_THREADS={threads} {PY} -m minite eval --arm {wildcards.arm} {params.args}"
-        " --run {params.run} --out {output} > {log} 2>&1"
+        "OMP_NUM_THREADS={threads} " + minite("eval") + " eval --arm {wildcards.arm} {params.args}"
+        " --run-dir {params.run} --out {output} > {log} 2>&1"
