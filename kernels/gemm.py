@@ -53,10 +53,11 @@ _verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_
 
 
 def cuda_config(m: int) -> dict:
-    """CUDA decode kernel config for M token rows: n8 token tiles per CTA (1 up to 8 rows, 2 up to 16, else 4:
-    more independent mma chains per warp instead of more CTAs re-reading the weight); 4 warps x 16 weight
-    rows, an 8-step cp.async ring, 4-step token segments."""
-    return dict(variant="cuda", NT=1 if m <= 8 else 2 if m <= 16 else 4, W=4, D=8, SEG=4)
+    """CUDA decode kernel config for M token rows (the best of a config sweep on the H200 at M = 1..64 over the
+    Qwen3-30B-A3B shapes): one n8 token tile per CTA up to 16 rows (M 9..16: two CTAs share a weight slice
+    through L2, cheaper than a second mma chain per warp), two above; 4 warps x 16 weight rows, a 4-step
+    cp.async ring, 4-step token segments."""
+    return dict(variant="cuda", NT=1 if m <= 16 else 2, W=4, D=4, SEG=4)
 
 
 def _configs(m: int, n: int, interpret: bool) -> dict:
@@ -154,6 +155,27 @@ def _pick_config(m: int, n: int, device, cuda_ok: bool = False) -> dict:
     return dict(SAFE_CONFIG)
 
 
+def _dense_choice(a, wq, config=None):
+    """(config, CUDA module or None, the CUDA kernel takes these operands) for a @ wq.T."""
+    from . import _cuda_decode
+    m, k = a.shape
+    n = wq.shape[0]
+    mod = _cuda_module(a.device) if config is None or config.get("variant") == "cuda" else None
+    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
+    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok)
+    return cfg, mod, cuda_ok
+
+
+def config_for(a: NVFP4Tensor, w, backend: str | None = None) -> str:
+    """Name of the kernel config ``nvfp4_gemm(a, w)`` runs (benchmark tables); "torch" / "blackwell" for those
+    paths. Probes a config on first use, as the GEMM itself would."""
+    wq = w.w if isinstance(w, PreparedWeight) else w
+    path = gemm_path(a.device, backend)
+    if path != "triton":
+        return path
+    return config_name(_dense_choice(a, wq)[0])
+
+
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     from . import _cuda_decode
     from . import _triton_gemm as tg
@@ -163,9 +185,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     m, k = a.shape
     n = wq.shape[0]
     dev = a.device
-    mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
-    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
-    cfg = dict(config) if config else _pick_config(m, n, dev, cuda_ok)
+    cfg, mod, cuda_ok = _dense_choice(a, wq, config)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
@@ -226,8 +246,9 @@ _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then
 
 
 def grouped_cuda_config(m: int, e: int) -> dict:
-    """Token tiles of 8 rows when experts average <= 4 rows (decode: most experts get 1..3 tokens), else 16."""
-    return dict(variant="cuda", NT=1 if m <= 4 * e else 2, W=4, D=8, SEG=4)
+    """Token tiles of 8 rows, 8 warps per CTA (the best grouped config of the same sweep at 1..64 tokens x top-8
+    over 128 experts: most experts get 1..3 rows)."""
+    return dict(variant="cuda", NT=1, W=8, D=4, SEG=4)
 
 
 def _grouped_proven(cfg: dict, device) -> bool:
@@ -274,10 +295,9 @@ def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
             ends[-1:].to(torch.int64))
 
 
-def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+def _grouped_choice(a, ex: NVFP4Experts, config=None):
+    """(config, CUDA module or None, the CUDA kernel takes these operands) for a grouped GEMM over ``ex``."""
     from . import _cuda_decode
-    from . import _triton_gemm as tg
-    from . import _w32_launch
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
@@ -286,6 +306,26 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)
+    return cfg, mod, cuda_ok
+
+
+def grouped_config_for(a: NVFP4Tensor, ws, backend: str | None = None) -> str:
+    """Name of the kernel config ``grouped_nvfp4_gemm(a, ws, ...)`` runs (benchmark tables), as ``config_for``."""
+    ex = stack_experts(ws)
+    path = gemm_path(a.device, backend)
+    if path == "torch":
+        return path
+    return config_name(_grouped_choice(a, ex)[0])
+
+
+def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+    from . import _cuda_decode
+    from . import _triton_gemm as tg
+    from . import _w32_launch
+    m, k = a.shape
+    e, n, _ = ex.shape
+    dev = a.device
+    cfg, mod, cuda_ok = _grouped_choice(a, ex, config)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out

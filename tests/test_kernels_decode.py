@@ -85,7 +85,7 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(G, "_proven", lambda c, d: True)
     assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.cuda_config(1)
-    assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 2, 2, 4, 4]
+    assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 1, 1, 2, 2]
     assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64)
     assert G._pick_config(G.CUDA_MAX_M + 1, 4096, dev, cuda_ok=True)["variant"] != "cuda"
     assert G._pick_config(1, 4096, dev, cuda_ok=False)["variant"] == "small"
