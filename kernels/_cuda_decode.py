@@ -20,6 +20,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 STEP_K = 128         # K per step (the kernels' BK)
+SLOT_BYTES = 16 * 80 + 16 * 8  # one warp's ring slot: 16 rows of codes (pitch 80) + 16 x 8 scale bytes
 ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
 TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
 MAX_EXPERTS = 4096   # the per-CTA tile scan lives in shared memory (4 bytes per expert)
@@ -103,22 +104,40 @@ def lanes_for(cfg: dict, nsteps: int, chunk_steps: int) -> int:
     return lanes
 
 
-def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int) -> int:
+def smem_bytes(cfg: dict, nsteps: int, seg: int, chunk_steps: int, lanes: int, n_experts: int = 0) -> int:
+    """Dynamic shared memory of a launch (``Layout`` in the kernel): the warps' rings, one or two token
+    buffers, the chunk sums (chunk lanes only), the grouped tile list."""
+    nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
+    nchunks = -(-nsteps // chunk_steps) if chunk_steps else 1
+    ring = warps * depth * SLOT_BYTES
+    tokens = (2 if seg < nsteps else 1) * seg * nt * 2048
+    sums = nchunks * (warps // lanes) * 32 * 16 * nt if lanes > 1 else 0
+    return ring + tokens + sums + (4 * (n_experts + 1) if n_experts else 0)
+
+
+def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: int = 1 << 30,
+            n_experts: int = 0) -> int:
     """K steps per token-fragment segment: all of K when its token units fit the registers the kernel keeps
     for them (then no barrier in the main loop), else the config's SEG (0: as many as fit); with chunks a
-    whole number of rounds (lanes x chunk). Raises ValueError when no segment fits."""
+    whole number of rounds (lanes x chunk); then smaller ones until the launch fits ``smem_limit`` bytes.
+    Raises ValueError when none does."""
     nt, warps = cfg["NT"], cfg["W"]
     cap = units_per_thread(nt) * warps // nt  # steps whose units (32 nt each) fit the CTA's registers
-    if nsteps <= cap:
-        return nsteps
-    want = min(cfg.get("SEG", 0) or cap, cap)
-    if chunk_steps:
-        rnd = lanes * chunk_steps
-        want = want // rnd * rnd
-        if want == 0:
-            raise ValueError(f"CUDA decode GEMM config {cfg}: a round of {lanes} chunks of {chunk_steps} steps "
-                             f"does not fit its {cap}-step token segments")
-    return want
+    unit = lanes * chunk_steps if chunk_steps else 1
+    first = nsteps if nsteps <= cap else min(cfg.get("SEG", 0) or cap, cap) // unit * unit
+    for seg in [first] + [i * unit for i in range((first - 1) // unit, 0, -1)]:
+        if seg > 0 and smem_bytes(cfg, nsteps, seg, chunk_steps, lanes, n_experts) <= smem_limit:
+            return seg
+    raise ValueError(f"CUDA decode GEMM config {cfg}: no token segment fits (K = {nsteps * STEP_K}"
+                     + (f", rounds of {lanes} chunks of {chunk_steps} steps" if chunk_steps else "")
+                     + f", {smem_limit} bytes of shared memory)")
+
+
+@functools.cache
+def smem_limit(device_index: int) -> int:
+    """Dynamic shared memory a block may opt into on this GPU."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 232448)
 
 
 def _check(cfg: dict) -> tuple[int, int, int]:
@@ -146,10 +165,10 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
     lanes = lanes_for(cfg, nsteps, chunk_steps)
     if lanes > 1 and not chunk_steps:
         raise ValueError(f"CUDA decode GEMM config {cfg}: chunk lanes need the K-chunk contract (gemm.k_chunk)")
-    seg = segment(cfg, nsteps, chunk_steps, lanes)
     offs, offs64, n_experts = 0, 0, 0
     if offsets is not None:
         offs, offs64, n_experts = offsets.data_ptr(), int(offsets.dtype == torch.int64), offsets.numel() - 1
+    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(out.device.index), n_experts)
     rc = mod.decode_gemm_launch(
         a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),

@@ -236,7 +236,13 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     if variant == "cuda":
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
-        return _cuda_decode.dense(mod, a, wq, out, bias, cfg, k_chunk())
+        try:
+            return _cuda_decode.dense(mod, a, wq, out, bias, cfg, k_chunk())
+        except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton candidates
+            if config:
+                raise
+            cfg = _pick_config(m, n, dev)
+            variant = cfg.get("variant", "decode")
     if variant not in ("decode", "w16", "f16") + _w32_launch.WORD_VARIANTS:
         raise ValueError(f"unknown GEMM variant {variant!r}")
     w_f16 = None
@@ -380,7 +386,13 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     if variant == "cuda":
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
-        return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, k_chunk())
+        try:
+            return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, k_chunk())
+        except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton configs
+            if config:
+                raise
+            cfg = _grouped_config(False, ex.f16 is not None, m, e, dev)
+            variant = cfg.get("variant", "decode")
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
     tile_e, tile_r, bound, _ = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])

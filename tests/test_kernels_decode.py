@@ -83,8 +83,22 @@ def test_bad_config_is_refused():
         _cuda_decode._check(dict(NT=1, W=4, D=2))  # the ring runs D - 3 steps ahead
     with pytest.raises(ValueError, match="power of two"):
         _cuda_decode.chunk_log2(3)
-    with pytest.raises(ValueError, match="does not fit"):  # a round of 8 chunks of 4 steps > 8-step segments
-        _cuda_decode.segment(dict(NT=2, W=4, C=8), 64, 4, 8)
+    with pytest.raises(ValueError, match="no token segment fits"):  # a round of 8 chunks of 4 steps > 8 steps
+        _cuda_decode.segment(dict(NT=2, W=4, D=8, C=8), 64, 4, 8)
+
+
+def test_token_segments_fit_shared_memory():
+    """K = 8192 in chunks of 512 over 4 lanes of 8 warps: two 32-step token buffers (and the ring, the chunk
+    sums) would need 232 KB, over the H200's 227 KB: 16-step segments fit; nothing fits a 100 KB limit (then
+    the dispatcher uses the Triton kernels)."""
+    cfg = dict(NT=1, W=8, D=8, SEG=0, C=4)
+    limit = 232448
+    assert _cuda_decode.smem_bytes(cfg, 64, 32, 4, 4) > limit
+    seg = _cuda_decode.segment(cfg, 64, 4, 4, limit)
+    assert seg == 16 and _cuda_decode.smem_bytes(cfg, 64, seg, 4, 4) <= limit
+    assert _cuda_decode.segment(cfg, 16, 4, 4, limit) == 16  # all of K = 2048 at once
+    with pytest.raises(ValueError, match="no token segment fits"):
+        _cuda_decode.segment(cfg, 64, 4, 4, 100_000)
 
 
 def _kernel_step_count(nsteps, lanes, chunk_steps, c):
