@@ -409,6 +409,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
         if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
       }
     };
+    // (warps reach a switch from different places, their runs or the tail below: a non-aligned barrier)
     auto switch_segment = [&]() {
       uint32_t* next = tokens + (seg_buf ^ 1) * L.buf_words;
 #pragma unroll
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
         const int u = threadIdx.x + i * blockDim.x;
         if (u < units) store_tokens<NT>(tu[i], next, u);
       }
-      __syncthreads();
+      asm volatile("barrier.sync 0;\n" ::: "memory");
       seg_s0 += p.seg;
       seg_buf ^= 1;
       if (seg_s0 + p.seg < nsteps) fetch_next();
