@@ -20,6 +20,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 STEP_K = 128         # K per step (the kernels' BK)
+SLOT_BYTES = 16 * 80 + 16 * 8  # one warp's ring slot: 16 rows of codes (pitch 80) + 16 x 8 scale bytes
 ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
 TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
 MAX_EXPERTS = 4096   # the per-CTA tile scan lives in shared memory (4 bytes per expert)
@@ -27,12 +28,14 @@ _DECL = """
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
                            int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
-                           int64_t grid_y, int64_t offsets, int64_t offsets64, int64_t n_experts,
-                           int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream);
+                           int64_t chunk_log2, int64_t lanes, int64_t grid_y, int64_t offsets, int64_t offsets64,
+                           int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
+                           int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-DEPTHS = (4, 8)     # cp.async ring depths compiled in
-TILES = (1, 2, 4)   # n8 token tiles per CTA compiled in
+DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
+TILES = (1, 2, 4)       # n8 token tiles per CTA compiled in
+LANES = (1, 2, 4, 8)    # warps sharing a row group's K chunks (chunked contract only)
 
 
 def enabled() -> bool:
@@ -84,46 +87,111 @@ def supports(k: int, n: int, a, w_codes: torch.Tensor, w_scales: torch.Tensor) -
             and w_scales.data_ptr() % 8 == 0 and a.scales.data_ptr() % 2 == 0)
 
 
-def _seg(cfg: dict, nt: int, warps: int) -> int:
-    """K steps per token-fragment segment: the requested one, capped so one segment's token units
-    (seg * 32 * nt) fit two per thread."""
-    return max(1, min(cfg.get("SEG", 4), (2 * warps) // nt))
+def units_per_thread(nt: int) -> int:
+    """Token units a thread holds in registers for the next segment (``TokenBudget`` in the kernel)."""
+    return 2 if nt >= 4 else 4
+
+
+def lanes_for(cfg: dict, nsteps: int, chunk_steps: int) -> int:
+    """Chunk lanes the kernel runs: the config's C, at most the number of K chunks (no idle lanes), a power of
+    two; 1 without chunks."""
+    if not chunk_steps:
+        return 1
+    nchunks = -(-nsteps // chunk_steps)
+    lanes = cfg.get("C", 1)
+    while lanes > 1 and lanes > nchunks:
+        lanes //= 2
+    return lanes
+
+
+def smem_bytes(cfg: dict, nsteps: int, seg: int, chunk_steps: int, lanes: int, n_experts: int = 0) -> int:
+    """Dynamic shared memory of a launch (``Layout`` in the kernel): the warps' rings, one or two token
+    buffers, the chunk sums (chunk lanes only), the grouped tile list."""
+    nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
+    nchunks = -(-nsteps // chunk_steps) if chunk_steps else 1
+    ring = warps * depth * SLOT_BYTES
+    tokens = (2 if seg < nsteps else 1) * seg * nt * 2048
+    sums = nchunks * (warps // lanes) * 32 * 16 * nt if lanes > 1 else 0
+    return ring + tokens + sums + (4 * (n_experts + 1) if n_experts else 0)
+
+
+def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: int = 1 << 30,
+            n_experts: int = 0) -> int:
+    """K steps per token-fragment segment: all of K when its token units fit the registers the kernel keeps
+    for them (then no barrier in the main loop), else the config's SEG (0: as many as fit); with chunks a
+    whole number of rounds (lanes x chunk); then smaller ones until the launch fits ``smem_limit`` bytes.
+    Raises ValueError when none does."""
+    nt, warps = cfg["NT"], cfg["W"]
+    cap = units_per_thread(nt) * warps // nt  # steps whose units (32 nt each) fit the CTA's registers
+    unit = lanes * chunk_steps if chunk_steps else 1
+    first = nsteps if nsteps <= cap else min(cfg.get("SEG", 0) or cap, cap) // unit * unit
+    for seg in [first] + [i * unit for i in range((first - 1) // unit, 0, -1)]:
+        if seg > 0 and smem_bytes(cfg, nsteps, seg, chunk_steps, lanes, n_experts) <= smem_limit:
+            return seg
+    raise ValueError(f"CUDA decode GEMM config {cfg}: no token segment fits (K = {nsteps * STEP_K}"
+                     + (f", rounds of {lanes} chunks of {chunk_steps} steps" if chunk_steps else "")
+                     + f", {smem_limit} bytes of shared memory)")
+
+
+@functools.cache
+def smem_limit(device_index: int) -> int:
+    """Dynamic shared memory a block may opt into on this GPU."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 232448)
 
 
 def _check(cfg: dict) -> tuple[int, int, int]:
     nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
-    if nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or 2 * warps < nt:
+    lanes = cfg.get("C", 1)
+    if (nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or lanes not in LANES
+            or warps % lanes or units_per_thread(nt) * warps < nt):
         raise ValueError(f"bad CUDA decode GEMM config {cfg}")
     return nt, depth, warps
 
 
-def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, offsets=None, strides=(0, 0, 0)):
+def chunk_log2(chunk_steps: int) -> int:
+    """log2 of the K chunk in 128-wide steps (a power of two), -1 without chunks."""
+    if not chunk_steps:
+        return -1
+    if chunk_steps & (chunk_steps - 1):
+        raise ValueError(f"the CUDA decode GEMM takes K chunks of a power of two steps, not {chunk_steps}")
+    return chunk_steps.bit_length() - 1
+
+
+def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, offsets=None,
+          strides=(0, 0, 0)):
     nt, depth, warps = _check(cfg)
+    nsteps, chunk_steps = k // STEP_K, chunk // STEP_K
+    lanes = lanes_for(cfg, nsteps, chunk_steps)
+    if lanes > 1 and not chunk_steps:
+        raise ValueError(f"CUDA decode GEMM config {cfg}: chunk lanes need the K-chunk contract (gemm.k_chunk)")
     offs, offs64, n_experts = 0, 0, 0
     if offsets is not None:
         offs, offs64, n_experts = offsets.data_ptr(), int(offsets.dtype == torch.int64), offsets.numel() - 1
+    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(out.device.index), n_experts)
     rc = mod.decode_gemm_launch(
         a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
-        int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps,
-        _seg(cfg, nt, warps), grid_y, offs, offs64, n_experts, *strides,
+        int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
+        chunk_log2(chunk_steps), lanes, grid_y, offs, offs64, n_experts, *strides,
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
     return out
 
 
-def dense(mod, a, w, out, bias, cfg: dict) -> torch.Tensor:
-    """out[M, N] = a @ w.T (a, w NVFP4; ``out`` preallocated). Grid: weight-row groups x token tiles."""
+def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0) -> torch.Tensor:
+    """out[M, N] = a @ w.T (a, w NVFP4; ``out`` preallocated). Grid: weight-row groups x token tiles. ``chunk``:
+    the K-chunk contract's chunk (0: one chain over K)."""
     m, k = a.shape
     n = w.shape[0]
     ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
-    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y)
+    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk)
 
 
-def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict) -> torch.Tensor:
+def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -> torch.Tensor:
     """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
     of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all)."""
     m, k = a.shape
@@ -133,7 +201,9 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict) -> torch.Tensor:
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
     tile_rows = TOKENS_PER_TILE * cfg["NT"]
     bound = min(m, -(-m // tile_rows) + e)  # tiles that can hold rows
-    groups_x = -(-(n // ROWS_PER_WARP) // cfg["W"])
+    lanes = lanes_for(cfg, k // STEP_K, chunk // STEP_K)
+    groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes))
     grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
     strides = (ex.codes.stride(0), ex.scales.stride(0), gw.stride(0))
-    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, offsets.contiguous(), strides)
+    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, offsets.contiguous(),
+                 strides)

@@ -11,6 +11,9 @@ K order: each BK=128 step splits into the 64 even-K elements (low nibbles) and t
 nibbles): two dots, acc = dot(a_lo, w_lo^T, acc); acc = dot(a_hi, w_hi^T, acc). Both operands use the same
 permutation, so the sum is a @ w.T; the order (k16 pieces: evens of step 0, odds of step 0, evens of step 1,
 ...) is fixed for every tile shape, and there is no split-K: row i's bits do not depend on M.
+K-chunk contract (KC > 0, ``gemm.k_chunk``): the same steps, but each KC-wide chunk of K is accumulated from
+zero (part = dot(..., part)) and the chunk sums are added in chunk order, acc = acc + part, from acc = 0: the
+order the CUDA decode kernel reproduces with chunks spread over warps. Still independent of M.
 Grouped (MoE): one launch; axis 0 walks a device-side tile schedule (expert, first row) built without a host
 sync; tiles past the real count exit at once.
 """
@@ -34,6 +37,33 @@ def _decode(c_ptrs, s_ptrs, cmask, smask):
     hi = (hi * sf).to(tl.float16)
     return (tl.reshape(lo, (lo.shape[0], lo.shape[1] * lo.shape[2])),
             tl.reshape(hi, (hi.shape[0], hi.shape[1] * hi.shape[2])))
+
+
+@triton.jit
+def _k_range(acc, k_begin, k_end, kp_end, a_c, a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK: tl.constexpr,
+             A_F16: tl.constexpr, W_F16: tl.constexpr):
+    """acc + the products of K [k_begin, k_end) (k_begin a multiple of BK), step after step in the K order
+    above; A_F16 walks the pre-decoded form up to kp_end (its zero-padded end of the range)."""
+    if A_F16:  # (implies W_F16) a plain fp16 GEMM over the pre-decoded K order, 64 columns a step:
+        # the same sequence of k16 pieces as the two dots of the decode loop, in half the shared memory
+        for kk in range(k_begin, kp_end, BK // 2):
+            a16 = tl.load(a_h + kk, mask=rmask[:, None], other=0.0)
+            w16 = tl.load(w_h + kk, mask=nmask[:, None], other=0.0)
+            acc = tl.dot(a16, tl.trans(w16), acc)
+    else:
+        for k0 in range(k_begin, k_end, BK):
+            kmask = (k0 // 16 + j) < ks
+            a_lo, a_hi = _decode(a_c + k0 // 2, a_s + k0 // 16, rmask[:, None, None] & kmask[None, :, None],
+                                 rmask[:, None] & kmask[None, :])
+            if W_F16:
+                w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
+                w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
+            else:
+                w_lo, w_hi = _decode(w_c + k0 // 2, w_s + k0 // 16, nmask[:, None, None] & kmask[None, :, None],
+                                     nmask[:, None] & kmask[None, :])
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+    return acc
 
 
 @triton.jit
@@ -63,7 +93,8 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
                     w_estride_c, w_estride_s, gw_estride,
                     GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                     GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GROUP_M: tl.constexpr, A_F16: tl.constexpr = False, W_F16: tl.constexpr = False):
+                    GROUP_M: tl.constexpr, A_F16: tl.constexpr = False, W_F16: tl.constexpr = False,
+                    KC: tl.constexpr = 0):
     kh = K // 2
     ks = K // 16
     if GROUPED:
@@ -94,25 +125,14 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
     a_h = a_codes + rows64[:, None] * kp + h[None, :]
     w_h = w_codes + cols64[:, None] * kp + h[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if A_F16:  # (implies W_F16) a plain fp16 GEMM over the pre-decoded K order, 64 columns a step:
-        # the same sequence of k16 pieces as the two dots of the decode loop, in half the shared memory
-        for kk in range(0, kp, BK // 2):
-            a16 = tl.load(a_h + kk, mask=rmask[:, None], other=0.0)
-            w16 = tl.load(w_h + kk, mask=nmask[:, None], other=0.0)
-            acc = tl.dot(a16, tl.trans(w16), acc)
+    if KC == 0:
+        acc = _k_range(acc, 0, K, kp, a_c, a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK, A_F16, W_F16)
     else:
-        for k0 in range(0, K, BK):
-            kmask = (k0 // 16 + j) < ks
-            a_lo, a_hi = _decode(a_c + k0 // 2, a_s + k0 // 16, rmask[:, None, None] & kmask[None, :, None],
-                                 rmask[:, None] & kmask[None, :])
-            if W_F16:
-                w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
-                w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
-            else:
-                w_lo, w_hi = _decode(w_c + k0 // 2, w_s + k0 // 16, nmask[:, None, None] & kmask[None, :, None],
-                                     nmask[:, None] & kmask[None, :])
-            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
-            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+        for c0 in range(0, K, KC):
+            part = _k_range(tl.zeros((BM, BN), dtype=tl.float32), c0, tl.minimum(c0 + KC, K),
+                            tl.minimum(c0 + KC, kp), a_c, a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK,
+                            A_F16, W_F16)
+            acc = acc + part
     out = acc * 268435456.0  # 2**28: the two 2**-14 decode factors
     if GA_ROW:
         out = out * tl.load(ga_ptr + rows, mask=rmask, other=0.0)[:, None]

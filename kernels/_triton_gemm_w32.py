@@ -49,6 +49,34 @@ def _decode_words(w_ptrs, s_ptrs, s_shift, mask):
 
 
 @triton.jit
+def _k_range(acc, k_begin, k_end, a_w, a_s, w_w, w_s, a_h, w_h, rmask, nmask, wi, kw, s_shift, s_step,
+             BK: tl.constexpr, SWAP: tl.constexpr, W_F16: tl.constexpr, A_F16: tl.constexpr):
+    """acc + the products of K [k_begin, k_end) (k_begin a multiple of BK), step after step."""
+    for k0 in range(k_begin, k_end, BK):
+        kmask = (k0 // 8 + wi) < kw
+        i = k0 // BK
+        if A_F16:  # a_words is the pre-decoded fp16 activation [M, kp] (a_rs = kp)
+            a_lo = tl.load(a_h + k0, mask=rmask[:, None], other=0.0)
+            a_hi = tl.load(a_h + (k0 + BK // 2), mask=rmask[:, None], other=0.0)
+        else:
+            a_lo, a_hi = _decode_words(a_w + k0 // 8, a_s + i * s_step, s_shift[None, :],
+                                       rmask[:, None] & kmask[None, :])
+        if W_F16:
+            w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
+            w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
+        else:
+            w_lo, w_hi = _decode_words(w_w + k0 // 8, w_s + i * s_step, s_shift[None, :],
+                                       nmask[:, None] & kmask[None, :])
+        if SWAP:  # acc[n, m]: the same products in the same K order, operands swapped
+            acc = tl.dot(w_lo, tl.trans(a_lo), acc)
+            acc = tl.dot(w_hi, tl.trans(a_hi), acc)
+        else:
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+    return acc
+
+
+@triton.jit
 def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bias_ptr, out_ptr,
                         tile_expert_ptr, tile_row_ptr, offsets_ptr,
                         M, N, K, n_tiles_m, a_rs, w_rs, a_ss, w_ss,
@@ -56,7 +84,7 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
                         GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, SCALE_WORDS: tl.constexpr = False, SWAP: tl.constexpr = False,
-                        W_F16: tl.constexpr = False, A_F16: tl.constexpr = False):
+                        W_F16: tl.constexpr = False, A_F16: tl.constexpr = False, KC: tl.constexpr = 0):
     """a_rs / w_rs: row strides of the code words (int32 units; fp16 units for W_F16), a_ss / w_ss: of the
     scales (bytes, or int32 words with SCALE_WORDS); w_estride_*: per-expert strides in those units."""
     kw = K // 8   # int32 words per row
@@ -95,27 +123,14 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kmask = (k0 // 8 + wi) < kw
-        i = k0 // BK
-        if A_F16:  # a_words is the pre-decoded fp16 activation [M, kp] (a_rs = kp)
-            a_lo = tl.load(a_h + k0, mask=rmask[:, None], other=0.0)
-            a_hi = tl.load(a_h + (k0 + BK // 2), mask=rmask[:, None], other=0.0)
-        else:
-            a_lo, a_hi = _decode_words(a_w + k0 // 8, a_s + i * s_step, s_shift[None, :],
-                                       rmask[:, None] & kmask[None, :])
-        if W_F16:
-            w_lo = tl.load(w_h + k0, mask=nmask[:, None], other=0.0)
-            w_hi = tl.load(w_h + (k0 + BK // 2), mask=nmask[:, None], other=0.0)
-        else:
-            w_lo, w_hi = _decode_words(w_w + k0 // 8, w_s + i * s_step, s_shift[None, :],
-                                       nmask[:, None] & kmask[None, :])
-        if SWAP:  # acc[n, m]: the same products in the same K order, operands swapped
-            acc = tl.dot(w_lo, tl.trans(a_lo), acc)
-            acc = tl.dot(w_hi, tl.trans(a_hi), acc)
-        else:
-            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
-            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+    if KC == 0:
+        acc = _k_range(acc, 0, K, a_w, a_s, w_w, w_s, a_h, w_h, rmask, nmask, wi, kw, s_shift, s_step, BK,
+                       SWAP, W_F16, A_F16)
+    else:  # the K-chunk contract: each chunk summed from zero, the chunk sums added in order (_triton_gemm)
+        for c0 in range(0, K, KC):
+            part = _k_range(tl.zeros_like(acc), c0, tl.minimum(c0 + KC, K), a_w, a_s, w_w, w_s, a_h, w_h, rmask,
+                            nmask, wi, kw, s_shift, s_step, BK, SWAP, W_F16, A_F16)
+            acc = acc + part
     if SWAP:
         acc = tl.trans(acc)
     out = acc * 268435456.0  # 2**28: the two 2**-14 decode factors

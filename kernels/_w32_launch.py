@@ -18,8 +18,9 @@ def _words_ok(k: int, *scales: torch.Tensor) -> bool:
     return k % 64 == 0 and all(s.data_ptr() % 4 == 0 for s in scales)
 
 
-def launch_dense(a, wq, w_f16, out, bias, cfg: dict) -> torch.Tensor:
-    """a [M, K] NVFP4, wq [N, K] NVFP4 (w_f16: its ``decode_f16`` form, needed by w16w) -> out [M, N]."""
+def launch_dense(a, wq, w_f16, out, bias, cfg: dict, k_chunk: int = 0) -> torch.Tensor:
+    """a [M, K] NVFP4, wq [N, K] NVFP4 (w_f16: its ``decode_f16`` form, needed by w16w) -> out [M, N];
+    ``k_chunk``: the K-chunk contract (0: one chain over K)."""
     from . import _triton_gemm as tg
     from . import _triton_gemm_w32 as tw
     m, k = a.shape
@@ -47,11 +48,11 @@ def launch_dense(a, wq, w_f16, out, bias, cfg: dict) -> torch.Tensor:
         m, n, k, tiles_m, a_words.stride(0), w_rs, a_s.stride(0), w_s.stride(0), 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
         BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, SCALE_WORDS=words, SWAP=variant == "small",
-        W_F16=variant == "w16w", A_F16=variant == "small", **cfg)
+        W_F16=variant == "w16w", A_F16=variant == "small", KC=k_chunk, **cfg)
     return out
 
 
-def launch_grouped(a, ex, out, cfg: dict, tiles) -> torch.Tensor:
+def launch_grouped(a, ex, out, cfg: dict, tiles, k_chunk: int = 0) -> torch.Tensor:
     """Grouped form (decode32, or w16w on ``ex.f16``); ``tiles`` = (tile_expert, tile_row, bound, offs32)."""
     from . import _triton_gemm as tg
     from . import _triton_gemm_w32 as tw
@@ -77,5 +78,6 @@ def launch_grouped(a, ex, out, cfg: dict, tiles) -> torch.Tensor:
         a_words, a_s, w_arg, w_s, ga, gw, ga, out, tile_e, tile_r, offs32,
         m, n, k, 0, a_words.stride(0), w_rs, a_s.stride(0), w_s.stride(1), w_ec, w_s.stride(0), gw.stride(0),
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
-        BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, SCALE_WORDS=words, SWAP=False, W_F16=variant == "w16w", **cfg)
+        BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, SCALE_WORDS=words, SWAP=False, W_F16=variant == "w16w", KC=k_chunk,
+        **cfg)
     return out

@@ -25,8 +25,8 @@ import torch
 from minite import nvfp4 as ref
 
 from . import checks
-from .gemm import (GROUPED_F16_CONFIG, PreparedWeight, grouped_nvfp4_gemm, nvfp4_gemm, prepare_experts,
-                   prepare_weight, stack_experts)
+from .gemm import (GROUPED_F16_CONFIG, PreparedWeight, config_for, grouped_config_for, grouped_nvfp4_gemm,
+                   nvfp4_gemm, prepare_experts, prepare_weight, stack_experts)
 from .quantize import quantize
 
 L2_BYTES = 60 * 2 ** 20
@@ -163,8 +163,11 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
         except Exception as exc:  # record, keep going: one provider's failure must not lose the run
             print(f"  {label} {name} M={m}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
+        config = (_cfg_name(cfg) if cfg is not None else config_for(a, pw if provider == "ours_prepared" else w)
+                  if provider in ("ours", "ours_prepared") else "")
         rows.append(dict(kernel="gemm", provider=label, shape=name, M=m, N=n, K=k, median_ms=ms,
-                         tflops=flops / ms / 1e9, gbps=per_set[provider] / ms / 1e6, device=devname, sha=sha))
+                         tflops=flops / ms / 1e9, gbps=per_set[provider] / ms / 1e6, config=config, device=devname,
+                         sha=sha))
         print(f"  {name:15s} M={m:6d} {label:28s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
 
 
@@ -242,10 +245,12 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
             print(f"  {label} {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
         nb = per_set["ours_prepared" if provider == "ours_prepared" else provider]
+        config = (_cfg_name(dict(cfg, GROUP_M=1)) if cfg is not None else grouped_config_for(
+            a, wsp if provider == "ours_prepared" else ws) if provider in ("ours", "ours_prepared") else "")
         provider = label
         rows.append(dict(kernel="grouped_gemm", provider=provider, shape=f"{name}_E{e}top{top_k}_T{tokens}",
                          M=m, N=n, K=k, median_ms=ms, tflops=flops / ms / 1e9,
-                         gbps=nb / ms / 1e6, device=devname, sha=sha))
+                         gbps=nb / ms / 1e6, config=config, device=devname, sha=sha))
         print(f"  {name:15s} T={tokens:6d} M={m:6d} {provider:28s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s",
               flush=True)
 

@@ -4,18 +4,29 @@
 //   * every element decoded exactly to fp16: e2m1 * 2^-14 (bits (sign << 15) | (mag << 9)) times its E4M3
 //     block scale (bits (e4m3 & 0x7F) << 7 = s * 2^-8, times 256): exact products, no rounding;
 //   * K in 128-wide steps; each step = its 64 even-K elements (low nibbles) as four k16 pieces, then its 64
-//     odd-K ones (high nibbles): eight fp16 -> fp32 mma.m16n8k16 chained on one accumulator, from K = 0 up;
+//     odd-K ones (high nibbles): eight fp16 -> fp32 mma.m16n8k16 chained on one accumulator;
 //   * position i of piece p is element 16p + i of the step's evens (odds): the layout Triton's dot feeds;
+//   * K order, one of two contracts (the same in every path, chosen by one switch, ``gemm.k_chunk``):
+//     - one chain: the accumulator runs from K = 0 to K, step after step (chunk_log2 < 0);
+//     - fixed K chunks of 2^chunk_log2 steps: each chunk accumulated from zero, the chunk sums then added
+//       one after another in chunk order, from 0.0f, in fp32 (the Triton kernels' ``acc = acc + part``);
 //   * epilogue ((acc * 2^28) * ga) * gw (+ bias, fused into the last multiply, as Triton does), then the cast.
-// Data flow per warp (16 weight rows of the mma's M side; tokens are its N side, 8 per n8 tile):
+// Work split: a CTA holds R = W / C row groups of 16 weight rows (the mma's M side; tokens are its N side, 8 per
+// n8 tile, NT tiles per CTA). Without chunks C = 1: one warp per row group runs the whole chain. With chunks
+// the C warps of a row group take chunks c, c + C, c + 2C, ... (more warps per row: all SMs busy at M = 1)
+// and leave each chunk sum in shared memory; after one barrier the group's first warp adds them in chunk
+// order (C = 1: the warp adds them as it goes, same order). Deterministic, and no chunk depends on M.
+// Data flow per warp:
 //   * the weight's packed bytes, in their original [N, K/2] layout, reach shared memory through cp.async
-//     (each lane copies 16 B of one row per step: coalesced, no registers held in flight); each lane then
-//     gathers the 2-byte pairs its mma fragment needs (row pitch padded: no bank conflicts), decodes them
-//     in registers (byte_perm + 2 shifts + 1 lop3 per fp16 pair, one hmul2 by the scale) and issues mma;
-//   * the token fragments are decoded once per CTA per segment of steps into shared memory (double
-//     buffered, one __syncthreads per segment) and read back with conflict-free 16-byte loads.
-// No split of K: a row's K order is the one above whatever M is, so batch invariance holds by construction
-// (and the first-use probe checks bit equality with the Triton path on the GPU).
+//     (each lane copies 16 B of one row per step: coalesced, no registers held in flight) into a D-slot ring
+//     private to the warp; each lane gathers the 2-byte pairs its mma fragment needs (row pitch padded: no
+//     bank conflicts), decodes them in registers (byte_perm + 2 shifts + 1 lop3 per fp16 pair, one hmul2 by
+//     the scale) and issues mma;
+//   * software pipeline: step j's eight mma run on fragments decoded during step j - 1, while the warp decodes
+//     step j + 1 (independent of the accumulator chain) and the ring streams step j + D - 1;
+//   * the token fragments are decoded once per CTA per segment of steps into shared memory (all of K when it
+//     fits: then no barrier in the main loop) and read back with conflict-free 16-byte loads;
+//   * the epilogue's scales and bias are loaded before the main loop (off the tail's critical path).
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +37,7 @@ namespace minite_decode {
 constexpr int kStepBytes = 64;               // codes of one row per 128-wide K step
 constexpr int kRowPitch = 80;                // shared-memory pitch of one row's step (64 + 16: conflict-free)
 constexpr int kSlotBytes = 16 * kRowPitch + 16 * 8;  // one warp's step: 16 rows of codes + 16 x 8 scale bytes
+constexpr int kTileStepWords = 8 * 32 * 2;   // u32 words of one n8 token tile's fragments per K step (2 KB)
 
 struct Params {
   const uint8_t* a_codes;   // [M, K/2]
@@ -38,7 +50,9 @@ struct Params {
   void* out;                // [M, N] bf16 / fp16 / fp32
   int M, N, K;
   int ga_row, gw_row, out_kind;  // out_kind: 0 bf16, 1 fp16, 2 fp32
-  int seg;                       // K steps per token-fragment segment
+  int seg;                       // K steps per token-fragment segment (K / 128: all of K at once)
+  int chunk_log2;                // log2 of the K chunk in 128-wide steps; -1: one chain over all of K
+  int lanes;                     // C: warps per row group (chunk lanes); 1 without chunks
   // grouped: expert e owns rows offsets[e] .. offsets[e + 1] (int32 or int64), cut into tiles of 8 NT rows;
   // every CTA lists the tiles itself (a scan of the offsets): one launch, no host sync, no schedule kernels
   const void* offsets;
@@ -46,15 +60,12 @@ struct Params {
   int64_t w_estride_c, w_estride_s, gw_estride;
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
-}
+// token units (row, step, piece: 16 code bytes + 2 scale bytes) a thread holds in registers while the next
+// segment's fragments are fetched; the launcher sizes segments so that a segment's units fit
+template <int NT>
+struct TokenBudget {
+  static constexpr int kUnitsPerThread = NT >= 4 ? 2 : 4;
+};
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
@@ -95,6 +106,50 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// What a lane gathers from its warp's ring for one step: for each piece, the word join16(positions 2t..,
+// 2t+8..) of rows g and g + 8, and the 8 scale bytes of rows g and g + 8.
+struct StepWords {
+  uint32_t x[4][2];
+  uint2 sc[2];
+};
+
+__device__ __forceinline__ void gather(const uint8_t* slot, int g, int t, StepWords& d) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint8_t* row = slot + (g + 8 * r) * kRowPitch + 2 * t;
+#pragma unroll
+    for (int pc = 0; pc < 4; ++pc)
+      d.x[pc][r] = join16(*reinterpret_cast<const uint16_t*>(row + 16 * pc),
+                          *reinterpret_cast<const uint16_t*>(row + 16 * pc + 8));
+    d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
+  }
+}
+
+// A fragments of one step: [piece 0..3 evens, 4..7 odds][mma register]
+__device__ __forceinline__ void decode_step(const StepWords& w, uint32_t (&a)[8][4]) {
+  __half2 se[2][2], so[2][2];  // [row g | g + 8][scale word x | y]: {blocks 0, 2 | 4, 6}, {1, 3 | 5, 7}
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    scale_pairs(w.sc[r].x, se[r][0], so[r][0]);
+    scale_pairs(w.sc[r].y, se[r][1], so[r][1]);
+  }
+#pragma unroll
+  for (int pc = 0; pc < 4; ++pc) {
+    // scales of blocks 2pc (positions 2t..) and 2pc + 1 (positions 2t+8..): byte pc & 1 of the pairs
+    const int wsel = pc >> 1;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const __half s_a = (pc & 1) ? __high2half(se[r][wsel]) : __low2half(se[r][wsel]);
+      const __half s_b = (pc & 1) ? __high2half(so[r][wsel]) : __low2half(so[r][wsel]);
+      const uint32_t lo = low_nibbles(w.x[pc][r]), hi = high_nibbles(w.x[pc][r]);
+      a[pc][r] = scaled(pair01(lo), s_a);          // row g + 8 r, positions 2t, 2t+1
+      a[pc][2 + r] = scaled(pair23(lo), s_b);      // row g + 8 r, positions 2t+8, 2t+9
+      a[4 + pc][r] = scaled(pair01(hi), s_a);
+      a[4 + pc][2 + r] = scaled(pair23(hi), s_b);
+    }
+  }
 }
 
 // Token fragments of one segment in shared memory, as u32 words:
@@ -206,31 +261,68 @@ __device__ __forceinline__ void store_out(const Params& p, int m, int n, float v
 
 // ((acc * 2^28) * ga) * gw, or fma(acc * 2^28 * ga, gw, bias) with a bias: the Triton epilogue's operations
 // in its order, as its compiler emits them (it contracts the last multiply and the bias add into one fma)
-__device__ __forceinline__ float epilogue(float acc, float ga, float gw, const float* bias, int n) {
+__device__ __forceinline__ float epilogue(float acc, float ga, float gw, bool has_bias, float bias) {
   float o = __fmul_rn(acc, 268435456.0f);
   o = __fmul_rn(o, ga);
-  return bias != nullptr ? __fmaf_rn(o, gw, bias[n]) : __fmul_rn(o, gw);
+  return has_bias ? __fmaf_rn(o, gw, bias) : __fmul_rn(o, gw);
 }
 
-// grid: x = groups of W warps x 16 weight rows, y = token tiles (looped with stride gridDim.y);
-// block: 32 W threads; dynamic shared memory: W * D * kSlotBytes + 2 * seg * NT * 2048 (+ 4 (E + 1) grouped).
+// Shared memory of a CTA (the launcher computes the same sizes):
+//   ring [W][D][kSlotBytes] | tokens [nbuf][seg][NT][kTileStepWords] u32 | chunk sums [nchunks][R][32][4 NT]
+//   f32 (C > 1 only) | grouped tile list [E + 1] int
+struct Layout {
+  int ring, tokens, sums, tiles;  // byte offsets
+  int buf_words;                  // u32 words of one token buffer
+};
+
+template <int NT, int D>
+__host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nchunks, int lanes) {
+  Layout l;
+  l.ring = 0;
+  l.tokens = warps * D * kSlotBytes;
+  l.buf_words = seg * NT * kTileStepWords;
+  const int nbuf = seg < nsteps ? 2 : 1;
+  l.sums = l.tokens + nbuf * l.buf_words * 4;
+  l.tiles = l.sums + (lanes > 1 ? nchunks * (warps / lanes) * 32 * 4 * NT * 4 : 0);
+  return l;
+}
+
+// grid: x = groups of R row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
+// block: 32 W threads (W = R * C).
 template <int NT, int D, bool GROUPED>
 __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kUnits = TokenBudget<NT>::kUnitsPerThread;
   const int W = blockDim.x >> 5;
+  const int C = p.lanes, R = W / C;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int nsteps = p.K / 128;
+  const int rg = warp / C, c = warp - rg * C;
+  const int nsteps = p.K >> 7;
   const size_t kh = p.K >> 1, ks = p.K >> 4;
-  const int row0 = (blockIdx.x * W + warp) * 16;  // this warp's first weight row
-  const bool active = row0 < p.N;
-  uint8_t* ring = smem + warp * D * kSlotBytes;
-  uint32_t* bbuf = reinterpret_cast<uint32_t*>(smem + W * D * kSlotBytes);
-  const int bwords = p.seg * NT * 4 * 32 * 4;  // u32 words per token-fragment buffer
-  const int units = p.seg * 8 * NT * 4;        // token-decoding units per segment
-  constexpr int kMaxUnitsPerThread = 2;        // units <= 2 * 32 W (the launcher picks seg so)
+  const bool chunked = p.chunk_log2 >= 0;
+  // without chunks: one "chunk" of 2^20 steps (more than any K), one lane: the step arithmetic below is the same
+  const int lcs = chunked ? p.chunk_log2 : 20;
+  const int cs = 1 << lcs;
+  const int nchunks = (nsteps + cs - 1) >> lcs;
+  // my chunks: c, c + C, ...; my steps: theirs in order (only the last chunk of K may be short)
+  const int my_chunks = c < nchunks ? (nchunks - 1 - c) / C + 1 : 0;
+  const int my_last = c + (my_chunks - 1) * C;
+  const int J = my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs));
+  const int jump = (C - 1) << lcs;  // from the end of one of my chunks to the start of my next one
+  const int row_nominal = (blockIdx.x * R + rg) * 16;
+  const bool active = row_nominal < p.N;
+  const int row0 = active ? row_nominal : p.N - 16;  // idle warps shadow the last row group, store nothing
+  const Layout L = layout<NT, D>(W, nsteps, p.seg, nchunks, C);
+  uint8_t* ring = smem + L.ring + warp * D * kSlotBytes;
+  uint32_t* tokens = reinterpret_cast<uint32_t*>(smem + L.tokens);
+  float4* sums = reinterpret_cast<float4*>(smem + L.sums);
+  const int units = p.seg * 8 * NT * 4;  // token-decoding units per segment
+  // where this lane's copies of a step land in a ring slot: 16 code bytes of rows g and g + 8, 4 scale bytes
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t dst_c = g * kRowPitch + 16 * t, dst_s = 16 * kRowPitch + 4 * lane;
 
-  int* tile_start = reinterpret_cast<int*>(smem + W * D * kSlotBytes + 2 * bwords * 4);
+  int* tile_start = reinterpret_cast<int*>(smem + L.tiles);
   if (GROUPED) {
     if (warp == 0) scan_tiles<NT>(p, tile_start, lane);
     __syncthreads();
@@ -252,143 +344,217 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       m0 = tile * 8 * NT;
       m_end = min(p.M, m0 + 8 * NT);
     }
-    const uint8_t* wrow_g = wc + static_cast<size_t>(row0 + g) * kh + 16 * t;
-    const uint8_t* wscale = ws + static_cast<size_t>(row0 + (lane & 15)) * ks;
+    const uint8_t* src_c = wc + static_cast<size_t>(row0 + g) * kh + 16 * t;
+    const uint8_t* src_s = ws + static_cast<size_t>(row0 + (lane >> 1)) * ks + 4 * (lane & 1);
 
-    auto issue = [&](int s) {  // step s of this warp's rows -> ring slot s % D (one commit group per call)
-      if (active && s < nsteps) {
-        uint8_t* slot = ring + (s % D) * kSlotBytes;
-        cp_async16(slot + g * kRowPitch + 16 * t, wrow_g + s * kStepBytes);
-        cp_async16(slot + (g + 8) * kRowPitch + 16 * t, wrow_g + 8 * kh + s * kStepBytes);
-        if (lane < 16) cp_async8(slot + 16 * kRowPitch + lane * 8, wscale + s * 8);
+    // epilogue operands now: their loads overlap the main loop instead of ending the kernel
+    const int n_a = row0 + g, n_b = row0 + g + 8;
+    const float gw_a = gw[p.gw_row ? n_a : 0], gw_b = gw[p.gw_row ? n_b : 0];
+    const bool has_bias = p.bias != nullptr;
+    const float bias_a = has_bias ? p.bias[n_a] : 0.0f, bias_b = has_bias ? p.bias[n_b] : 0.0f;
+    float ga_m[NT][2];
+#pragma unroll
+    for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + 8 * jt + 2 * t + h;
+        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? m : 0] : 0.0f;
       }
-      cp_async_commit();
+
+    // the ring's producer: my step ji (K step si) -> slot ji % D, one commit group per call; past my last step
+    // the copies read nothing (source size 0) from step 0. Then the cursor moves to my next step.
+    int ji = 0, si = c << lcs;
+    const uint8_t* src_c8 = src_c + 8 * kh;
+    auto issue_next = [&]() {
+      const bool live = ji < J;
+      const uint32_t n16 = live ? 16 : 0, n4 = live ? 4 : 0;
+      const uint32_t s_ok = live ? si : 0;
+      const uint32_t slot = ring_s + (ji & (D - 1)) * kSlotBytes;
+      asm volatile(
+          "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+          "cp.async.cg.shared.global [%3], [%4], 16, %2;\n"
+          "cp.async.ca.shared.global [%5], [%6], 4, %7;\n"
+          "cp.async.commit_group;\n" ::"r"(slot + dst_c), "l"(src_c + s_ok * kStepBytes), "r"(n16),
+          "r"(slot + dst_c + 8 * kRowPitch), "l"(src_c8 + s_ok * kStepBytes), "r"(slot + dst_s),
+          "l"(src_s + s_ok * 8), "r"(n4));
+      ++ji;
+      si += ((si + 1) & (cs - 1)) == 0 ? jump + 1 : 1;
     };
 
-    // what a lane gathers from the ring for one step: for each piece, the word join16(positions 2t.., 2t+8..)
-    // of rows g and g + 8, and the 8 scale bytes of rows g and g + 8
-    struct StepWords {
-      uint32_t x[4][2];
-      uint2 sc[2];
-    };
-    auto gather = [&](int s, StepWords& d) {
-      const uint8_t* slot = ring + (s % D) * kSlotBytes;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint8_t* row = slot + (g + 8 * r) * kRowPitch + 2 * t;
-#pragma unroll
-        for (int pc = 0; pc < 4; ++pc)
-          d.x[pc][r] = join16(*reinterpret_cast<const uint16_t*>(row + 16 * pc),
-                              *reinterpret_cast<const uint16_t*>(row + 16 * pc + 8));
-        d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
-      }
-    };
+    __syncthreads();  // the previous tile's readers of the ring, the token buffers and the chunk sums are done
+#pragma unroll 1
+    for (int j = 0; j < D - 1; ++j) issue_next();
 
-    __syncthreads();  // the previous tile's readers of the ring and the token buffers are done
+    // token segment 0, then the next segments' units in registers while a segment computes
+    TokenUnit tu[kUnits];
+    int seg_s0 = 0, seg_buf = 0;  // the current segment's first K step, its buffer
 #pragma unroll
-    for (int s = 0; s < D - 1; ++s) issue(s);
-
-    TokenUnit tu[kMaxUnitsPerThread];
-    // segment 0's token fragments
-#pragma unroll
-    for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+    for (int i = 0; i < kUnits; ++i) {
       const int u = threadIdx.x + i * blockDim.x;
       if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, 0, min(p.seg, nsteps));
     }
 #pragma unroll
-    for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+    for (int i = 0; i < kUnits; ++i) {
       const int u = threadIdx.x + i * blockDim.x;
-      if (u < units) store_tokens<NT>(tu[i], bbuf, u);
+      if (u < units) store_tokens<NT>(tu[i], tokens, u);
     }
     __syncthreads();
 
-    float acc[NT][4];
+    // the next segment: units into registers (at its predecessor's start), into the other buffer (at its end)
+    auto fetch_next = [&]() {
+      const int s1 = seg_s0 + p.seg;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    StepWords cur, nxt;
-    cp_async_wait<D - 2>();  // step 0 landed (its lane's copies) ...
-    __syncwarp();            // ... for every lane
-    if (active) gather(0, cur);
-
-    for (int s0 = 0, seg = 0; s0 < nsteps; s0 += p.seg, ++seg) {
-      const int s1 = min(s0 + p.seg, nsteps);
-      // next segment's token data: loads in flight while this segment computes
-#pragma unroll
-      for (int i = 0; i < kMaxUnitsPerThread; ++i) {
+      for (int i = 0; i < kUnits; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
         if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
       }
-      const uint32_t* bseg = bbuf + (seg & 1) * bwords;
-      for (int s = s0; s < s1; ++s) {
-        // refill the slot of step s - 1 (gathered one iteration ago) with step s + D - 1, then gather step s + 1
-        // while step s computes: its shared-memory loads overlap this step's decode and mma chain
-        __syncwarp();
-        issue(s + D - 1);
-        cp_async_wait<D - 2>();  // steps <= s + 1 landed
-        __syncwarp();
-        if (!active) continue;
-        if (s + 1 < nsteps) gather(s + 1, nxt);
-        __half2 se[2][2], so[2][2];  // [row g | g + 8][scale word x | y]: {blocks 0, 2 | 4, 6}, {1, 3 | 5, 7}
+    };
+    // (warps reach a switch from different places, their runs or the tail below: a non-aligned barrier)
+    auto switch_segment = [&]() {
+      uint32_t* next = tokens + (seg_buf ^ 1) * L.buf_words;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          scale_pairs(cur.sc[r].x, se[r][0], so[r][0]);
-          scale_pairs(cur.sc[r].y, se[r][1], so[r][1]);
-        }
-        const uint32_t* bstep = bseg + (s - s0) * NT * 512;
+      for (int i = 0; i < kUnits; ++i) {
+        const int u = threadIdx.x + i * blockDim.x;
+        if (u < units) store_tokens<NT>(tu[i], next, u);
+      }
+      asm volatile("barrier.sync 0;\n" ::: "memory");
+      seg_s0 += p.seg;
+      seg_buf ^= 1;
+      if (seg_s0 + p.seg < nsteps) fetch_next();
+    };
+    if (p.seg < nsteps) fetch_next();
+
+    float part[NT][4], total[NT][4];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
-          uint4 b[NT];  // pieces (2q, 2q + 1) of each n8 tile: one conflict-free 16-byte load per pair
+    for (int jt = 0; jt < NT; ++jt)
 #pragma unroll
-          for (int pc = 0; pc < 4; ++pc) {
-            const int piece = half * 4 + pc;
-            if ((pc & 1) == 0) {
+      for (int r = 0; r < 4; ++r) part[jt][r] = total[jt][r] = 0.0f;
+
+    // register pipeline: fragments of my step j (a), words of step j + 1 (w), gathered a step before they
+    // are decoded, so the decode of step j + 1 has its inputs when step j's mma chain starts
+    uint32_t a0[8][4], a1[8][4];
+    StepWords w0, w1;
+    {
+      cp_async_wait<D - 3>();  // my steps 0 and 1 landed (this lane's copies) ...
+      __syncwarp();            // ... for every lane
+      gather(ring, g, t, w1);
+      decode_step(w1, a0);
+      gather(ring + kSlotBytes, g, t, w0);
+    }
+
+    // my step j, K step with token fragments at b: refill the slot of step j - 1 with step j + D - 1, gather
+    // step j + 2, and decode step j + 1 while step j's mma chain runs on the fragments decoded one step ago
+    // (the slot refilled was gathered two steps ago, before the last __syncwarp: no lane still reads it)
+    auto step = [&](const uint32_t (&a)[8][4], uint32_t (&a_next)[8][4], const StepWords& w, StepWords& w_next,
+                    const uint32_t* b, int j) {
+      issue_next();
+      cp_async_wait<D - 3>();  // my steps <= j + 2 landed (this lane's copies) ...
+      __syncwarp();            // ... for every lane
+      gather(ring + ((j + 2) & (D - 1)) * kSlotBytes, g, t, w_next);  // stale (unused) past my last step
 #pragma unroll
-              for (int j = 0; j < NT; ++j)
-                b[j] = *reinterpret_cast<const uint4*>(bstep + b_index<NT>(0, j, piece, lane, 0));
-            }
-            // scales of blocks 2pc (positions 2t..) and 2pc + 1 (positions 2t+8..): byte pc & 1 of the pairs
-            const int wsel = pc >> 1;
-            uint32_t a[4];
+      for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const uint32_t h = half ? high_nibbles(cur.x[pc][r]) : low_nibbles(cur.x[pc][r]);
-              const __half s_a = (pc & 1) ? __high2half(se[r][wsel]) : __low2half(se[r][wsel]);
-              const __half s_b = (pc & 1) ? __high2half(so[r][wsel]) : __low2half(so[r][wsel]);
-              a[r] = scaled(pair01(h), s_a);      // row g + 8 r, positions 2t, 2t+1
-              a[2 + r] = scaled(pair23(h), s_b);  // row g + 8 r, positions 2t+8, 2t+9
-            }
+        for (int q = 0; q < 2; ++q) {  // pieces (2q, 2q + 1) of each n8 tile: one conflict-free 16-byte load
+          uint4 bq[NT];
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              if ((pc & 1) == 0) mma16816(acc[j], a, b[j].x, b[j].y);
-              else mma16816(acc[j], a, b[j].z, b[j].w);
-            }
+          for (int jt = 0; jt < NT; ++jt)
+            bq[jt] = *reinterpret_cast<const uint4*>(b + b_index<NT>(0, jt, half * 4 + 2 * q, 0, 0));
+#pragma unroll
+          for (int jt = 0; jt < NT; ++jt) {
+            mma16816(part[jt], a[half * 4 + 2 * q], bq[jt].x, bq[jt].y);
+            mma16816(part[jt], a[half * 4 + 2 * q + 1], bq[jt].z, bq[jt].w);
           }
         }
-        cur = nxt;
       }
-      if (s1 < nsteps) {
+      decode_step(w, a_next);
+    };
+
+    // runs of consecutive K steps: my chunks (with chunks), or the token segments (one chain)
+    int j = 0;
+    for (int run = 0;; ++run) {
+      int s0, s1;
+      if (chunked) {
+        if (run >= my_chunks) break;
+        s0 = (c + run * C) << lcs;
+        s1 = min(s0 + cs, nsteps);
+        while (s0 >= seg_s0 + p.seg) switch_segment();  // my chunk of the next round is in the next segment
 #pragma unroll
-        for (int i = 0; i < kMaxUnitsPerThread; ++i) {
-          const int u = threadIdx.x + i * blockDim.x;
-          if (u < units) store_tokens<NT>(tu[i], bbuf + ((seg + 1) & 1) * bwords, u);
-        }
+        for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) part[jt][r] = 0.0f;
+      } else {
+        s0 = seg_s0;
+        if (s0 >= nsteps) break;
+        s1 = min(s0 + p.seg, nsteps);
       }
-      __syncthreads();
+      const uint32_t* b = tokens + seg_buf * L.buf_words + (s0 - seg_s0) * NT * kTileStepWords + 4 * lane;
+      int s = s0;
+      for (; s + 1 < s1; s += 2, j += 2, b += 2 * NT * kTileStepWords) {
+        step(a0, a1, w0, w1, b, j);
+        step(a1, a0, w1, w0, b + NT * kTileStepWords, j + 1);
+      }
+      if (s < s1) {  // an odd run: one step, then the pipeline registers back in place
+        step(a0, a1, w0, w1, b, j);
+        ++j;
+#pragma unroll
+        for (int pc = 0; pc < 8; ++pc)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a0[pc][r] = a1[pc][r];
+        w0 = w1;
+      }
+      if (chunked) {  // the chunk's sum: into the running total (one lane) or shared memory (C lanes)
+        if (C == 1) {
+#pragma unroll
+          for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) total[jt][r] = __fadd_rn(total[jt][r], part[jt][r]);
+        } else {
+          const int q = s0 >> lcs;
+#pragma unroll
+          for (int jt = 0; jt < NT; ++jt)
+            sums[((q * R + rg) * 32 + lane) * NT + jt] = make_float4(part[jt][0], part[jt][1], part[jt][2], part[jt][3]);
+        }
+      } else {
+        if (s1 >= nsteps) break;
+        switch_segment();
+      }
     }
+    // a warp whose chunks ended before the last segment still takes part in every switch
+    while (seg_s0 + p.seg < nsteps) switch_segment();
     cp_async_wait<0>();
 
-    if (active) {
-      // acc[j]: c0, c1 = (weight row g, tokens 8j + 2t, +1); c2, c3 = (weight row g + 8, same tokens)
-      const int n_a = row0 + g, n_b = row0 + g + 8;
-      const float gw_a = gw[p.gw_row ? n_a : 0], gw_b = gw[p.gw_row ? n_b : 0];
+    if (!chunked) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+      for (int jt = 0; jt < NT; ++jt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int m = m0 + 8 * j + 2 * t + (c & 1);
+        for (int r = 0; r < 4; ++r) total[jt][r] = part[jt][r];
+    } else if (C > 1) {
+      __syncthreads();  // every chunk sum of the tile is in shared memory
+      if (c == 0) {
+        for (int q = 0; q < nchunks; ++q) {
+#pragma unroll
+          for (int jt = 0; jt < NT; ++jt) {
+            const float4 v = sums[((q * R + rg) * 32 + lane) * NT + jt];
+            total[jt][0] = __fadd_rn(total[jt][0], v.x);
+            total[jt][1] = __fadd_rn(total[jt][1], v.y);
+            total[jt][2] = __fadd_rn(total[jt][2], v.z);
+            total[jt][3] = __fadd_rn(total[jt][3], v.w);
+          }
+        }
+      }
+    }
+
+    if (active && c == 0) {
+      // total[jt]: c0, c1 = (weight row g, tokens 8jt + 2t, +1); c2, c3 = (weight row g + 8, same tokens)
+#pragma unroll
+      for (int jt = 0; jt < NT; ++jt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int m = m0 + 8 * jt + 2 * t + (r & 1);
           if (m >= m_end) continue;
-          const int n = c < 2 ? n_a : n_b;
-          const float v = epilogue(acc[j][c], p.ga[p.ga_row ? m : 0], c < 2 ? gw_a : gw_b, p.bias, n);
+          const int n = r < 2 ? n_a : n_b;
+          const float v = epilogue(total[jt][r], ga_m[jt][r & 1], r < 2 ? gw_a : gw_b, has_bias,
+                                   r < 2 ? bias_a : bias_b);
           if (p.out_kind == 0) store_out<__nv_bfloat16>(p, m, n, v);
           else if (p.out_kind == 1) store_out<__half>(p, m, n, v);
           else store_out<float>(p, m, n, v);
@@ -401,8 +567,12 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
 // Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped); returns a cudaError_t.
 template <int NT, int D, bool GROUPED>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(warps) * D * kSlotBytes + 2 * static_cast<size_t>(p.seg) * NT * 2048 +
-                      (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
+  const int nsteps = p.K / 128;
+  const int nchunks = p.chunk_log2 >= 0 ? (nsteps + (1 << p.chunk_log2) - 1) >> p.chunk_log2 : 1;
+  const Layout l = layout<NT, D>(warps, nsteps, p.seg, nchunks, p.lanes);
+  const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
+  // every segment's token units fit the registers the kernel keeps for them
+  if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;
   // dynamic shared memory this kernel may use on each device (48 KB without opting in); raised once per size
   // and device, so a launch inside a CUDA graph capture (after a warm-up call) makes no attribute call
   static size_t raised[64] = {};
@@ -423,6 +593,7 @@ template <int NT, bool GROUPED>
 int launch_depth(const Params& p, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
   if (depth == 4) return launch_one<NT, 4, GROUPED>(p, warps, grid_x, grid_y, stream);
   if (depth == 8) return launch_one<NT, 8, GROUPED>(p, warps, grid_x, grid_y, stream);
+  if (depth == 16) return launch_one<NT, 16, GROUPED>(p, warps, grid_x, grid_y, stream);
   return -1;
 }
 
@@ -440,8 +611,9 @@ int launch_tiles(const Params& p, int nt, int depth, int warps, int grid_x, int 
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
                            int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
-                           int64_t grid_y, int64_t offsets, int64_t offsets64, int64_t n_experts,
-                           int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride, int64_t stream) {
+                           int64_t chunk_log2, int64_t lanes, int64_t grid_y, int64_t offsets, int64_t offsets64,
+                           int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
+                           int64_t stream) {
   using namespace minite_decode;
   Params p;
   p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
@@ -459,14 +631,22 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.gw_row = static_cast<int>(gw_row);
   p.out_kind = static_cast<int>(out_kind);
   p.seg = static_cast<int>(seg);
+  p.chunk_log2 = static_cast<int>(chunk_log2);
+  p.lanes = static_cast<int>(lanes);
   p.offsets = reinterpret_cast<const void*>(offsets);
   p.offsets64 = static_cast<int>(offsets64);
   p.E = static_cast<int>(n_experts);
   p.w_estride_c = w_estride_c;
   p.w_estride_s = w_estride_s;
   p.gw_estride = gw_estride;
-  if (seg < 1 || seg * 32 * nt > 2 * 32 * warps || warps < 1 || warps > 8) return -1;
-  const int grid_x = static_cast<int>((N / 16 + warps - 1) / warps);
+  const int64_t nsteps = K / 128;
+  if (warps < 1 || warps > 8 || (warps & (warps - 1)) || lanes < 1 || warps % lanes || (lanes & (lanes - 1)) ||
+      chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1)
+    return -1;
+  // segments hold whole rounds of chunks (C chunks of 2^chunk_log2 steps), or all of K
+  if (chunk_log2 >= 0 && seg < nsteps && seg % (lanes << chunk_log2)) return -1;
+  const int rows_per_cta = 16 * static_cast<int>(warps / lanes);
+  const int grid_x = static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool grouped = offsets != 0;
   return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)

@@ -6,8 +6,14 @@ Paths, chosen per call (``_backend.resolve`` + the device's capability):
         GPU: ``_cuda_decode`` (same values, same mma, same K order; used once a probe proved it bit-equal).
     Blackwell (sm_100/103): ``blackwell`` (torch._scaled_mm on float4_e2m1fn_x2, global scales after).
     CPU (default) or no Triton: ``_torch_gemm`` (exact float64 chunks, batch invariant).
+K order (one switch for every Hopper path, ``k_chunk``): one fp32 chain over all of K (default), or fixed K
+chunks, each summed from zero, the chunk sums added in chunk order (lets the decode kernel spread one row's K
+over several warps: all SMs busy at M = 1). Either way a row's bits do not depend on M. The CPU path is exact
+under both (its float64 sums have no rounding to order).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -30,6 +36,34 @@ def _check_common(a, k_w: int, device, out_dtype) -> None:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
 
 
+# ------------------------------------------------------------------------------ the K-chunk contract
+K_CHUNK_ENV = "MINITE_KERNELS_K_CHUNK"
+_k_chunk: int | None = None  # set_k_chunk() overrides the environment
+
+
+def _check_k_chunk(kc: int) -> int:
+    steps = kc // 128
+    if kc < 0 or kc % 128 or (steps & (steps - 1)):
+        raise ValueError(f"K chunk must be 0 (one chain over K) or 128 * 2**i, got {kc}")
+    return kc
+
+
+def k_chunk() -> int:
+    """The K order every Hopper GEMM path follows: 0 = one fp32 chain over K (the default), else the width of
+    the fixed K chunks (a sum per chunk from zero, the chunk sums added in order). From ``set_k_chunk`` or the
+    environment variable MINITE_KERNELS_K_CHUNK."""
+    if _k_chunk is not None:
+        return _k_chunk
+    return _check_k_chunk(int(os.environ.get(K_CHUNK_ENV, "0") or 0))
+
+
+def set_k_chunk(kc: int | None) -> None:
+    """Switch the K-order contract of every path at once (None: back to the environment's). Results computed
+    under different contracts differ in the last bits; within one they do not depend on M."""
+    global _k_chunk
+    _k_chunk = None if kc is None else _check_k_chunk(int(kc))
+
+
 # ----------------------------------------------------------------------------------- Triton launch
 # The safe config: the reference every other config is probed against (and the fallback for any config not
 # proven bit-equal on this GPU).
@@ -49,14 +83,19 @@ BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant=
 # Up to CUDA_MAX_M token rows the CUDA decode kernel serves (where it is built and proven): it streams the
 # packed weight once per 8 * NT tokens; above, the tensor-core-bound Triton configs win.
 CUDA_MAX_M = 64
-_verified: dict = {}  # (device index, config items) -> bool: bit-equal to SAFE_CONFIG on this GPU
+# (kind, device index, config, K chunk) -> bool: bit-equal to the reference config on this GPU under that K order
+_verified: dict = {}
 
 
 def cuda_config(m: int) -> dict:
-    """CUDA decode kernel config for M token rows: n8 token tiles per CTA (1 up to 8 rows, 2 up to 16, else 4:
-    more independent mma chains per warp instead of more CTAs re-reading the weight); 4 warps x 16 weight
-    rows, an 8-step cp.async ring, 4-step token segments."""
-    return dict(variant="cuda", NT=1 if m <= 8 else 2 if m <= 16 else 4, W=4, D=8, SEG=4)
+    """CUDA decode kernel config for M token rows. One chain over K: one n8 token tile per CTA up to 16 rows
+    (M 9..16: two CTAs share a weight slice through L2, cheaper than a second mma chain per warp), two above;
+    4 warps x 16 weight rows (the best of a config sweep on the H200 at M = 1..64 over the Qwen3-30B-A3B
+    shapes); an 8-step cp.async ring (the ring runs 5 steps ahead of the decode); token fragments for all of K
+    when they fit (SEG 0). K chunks: 8 warps, 4 (M <= 16) or 2 chunk lanes per 16 weight rows."""
+    if k_chunk():
+        return dict(variant="cuda", NT=1 if m <= 16 else 2, W=8, D=8, SEG=0, C=4 if m <= 16 else 2)
+    return dict(variant="cuda", NT=1 if m <= 16 else 2, W=4, D=8, SEG=0)
 
 
 def _configs(m: int, n: int, interpret: bool) -> dict:
@@ -73,7 +112,9 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
         return dict(SMALL_CONFIG)
     if m <= 64:
         return dict(SAFE_CONFIG)
-    cfg = MID_CONFIG if m <= 1024 or n <= 512 else BIG_CONFIG
+    # under K chunks a 128x256 tile would hold a second fp32 tile (the chunk sum): 255 registers and spills on
+    # sm_90 (Triton 3.6); 128x128 holds both in 212
+    cfg = MID_CONFIG if m <= 1024 or n <= 512 or k_chunk() else BIG_CONFIG
     if -(-m // 128) * -(-n // 128) < 132:  # fewer 128x128 tiles than SMs (router, M=128): halve the rows
         cfg = TALL_CONFIG
     return dict(cfg)
@@ -81,27 +122,30 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
 
 def config_name(c: dict) -> str:
     if c.get("variant") == "cuda":
-        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}"
+        lanes = f"c{c['C']}" if c.get("C", 1) > 1 else ""
+        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}"
     return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
 
 
 def config_status() -> dict:
-    """{config name: proven bit-equal to SAFE_CONFIG} for the configs probed so far in this process."""
-    def name(k):
-        if isinstance(k[0], str):  # ("grouped-<config>", device): a grouped config vs the grouped decode loop
-            return k[0]
-        return config_name(dict(k[1]))
+    """{config name: proven bit-equal to the reference config} for the configs probed so far in this process
+    ("grouped-" configs against the grouped decode loop; " kc<n>" under the K-chunk contract)."""
+    def name(key):
+        kind, _, cfg, kc = key
+        label = config_name(dict(cfg)) if kind == "dense" else "grouped-" + config_name(dict(cfg))
+        return label + (f" kc{kc}" if kc else "")
     return {name(k): v for k, v in _verified.items()}
 
 
 def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1088) -> bool:
     """Probe: cfg vs SAFE_CONFIG on random [m, k] x [n, k] (k % 128 != 0: the masked tail too; k % 64 == 0:
-    the int32 scale-word loads too). The CUDA kernel takes whole 128-wide K steps only: k = 1152 for it, and
-    a 5-row problem beside (one partial token tile)."""
+    the int32 scale-word loads too). The CUDA kernel takes whole 128-wide K steps only: k = 2176 for it (17
+    steps: token fragments in two segments, and under K chunks of 512 a short last chunk and two rounds of
+    chunk lanes), and a 5-row problem beside (one partial token tile)."""
     from minite.kernels.quantize import quantize
     g = torch.Generator(device="cpu").manual_seed(1234)
     if cfg.get("variant") == "cuda":
-        k = -(-k // 128) * 128
+        k = 2176
     try:
         a = quantize((torch.randn(m, k, generator=g) * 3).to(device), scaling="row")
         w = quantize(torch.randn(n, k, generator=g).to(device), scaling="row")
@@ -119,7 +163,7 @@ def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1088) -> boo
 
 
 def _proven(cfg: dict, device) -> bool:
-    key = (device.index, tuple(sorted(cfg.items())))
+    key = ("dense", device.index, tuple(sorted(cfg.items())), k_chunk())
     ok = _verified.get(key)
     if ok is None:
         if torch.cuda.is_current_stream_capturing():  # cannot probe inside a graph capture
@@ -154,6 +198,27 @@ def _pick_config(m: int, n: int, device, cuda_ok: bool = False) -> dict:
     return dict(SAFE_CONFIG)
 
 
+def _dense_choice(a, wq, config=None):
+    """(config, CUDA module or None, the CUDA kernel takes these operands) for a @ wq.T."""
+    from . import _cuda_decode
+    m, k = a.shape
+    n = wq.shape[0]
+    mod = _cuda_module(a.device) if config is None or config.get("variant") == "cuda" else None
+    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
+    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok)
+    return cfg, mod, cuda_ok
+
+
+def config_for(a: NVFP4Tensor, w, backend: str | None = None) -> str:
+    """Name of the kernel config ``nvfp4_gemm(a, w)`` runs (benchmark tables); "torch" / "blackwell" for those
+    paths. Probes a config on first use, as the GEMM itself would."""
+    wq = w.w if isinstance(w, PreparedWeight) else w
+    path = gemm_path(a.device, backend)
+    if path != "triton":
+        return path
+    return config_name(_dense_choice(a, wq)[0])
+
+
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     from . import _cuda_decode
     from . import _triton_gemm as tg
@@ -163,9 +228,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     m, k = a.shape
     n = wq.shape[0]
     dev = a.device
-    mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
-    cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
-    cfg = dict(config) if config else _pick_config(m, n, dev, cuda_ok)
+    cfg, mod, cuda_ok = _dense_choice(a, wq, config)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
@@ -173,14 +236,20 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     if variant == "cuda":
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
-        return _cuda_decode.dense(mod, a, wq, out, bias, cfg)
+        try:
+            return _cuda_decode.dense(mod, a, wq, out, bias, cfg, k_chunk())
+        except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton candidates
+            if config:
+                raise
+            cfg = _pick_config(m, n, dev)
+            variant = cfg.get("variant", "decode")
     if variant not in ("decode", "w16", "f16") + _w32_launch.WORD_VARIANTS:
         raise ValueError(f"unknown GEMM variant {variant!r}")
     w_f16 = None
     if variant in ("w16", "f16", "w16w"):
         w_f16 = prepared.f16 if prepared is not None else decode_f16(wq)
     if variant in _w32_launch.WORD_VARIANTS:
-        return _w32_launch.launch_dense(a, wq, w_f16, out, bias, cfg)
+        return _w32_launch.launch_dense(a, wq, w_f16, out, bias, cfg, k_chunk())
     cfg.pop("variant", None)
     a_arg, w_arg = a.codes.contiguous(), (w_f16 if w_f16 is not None else wq.codes.contiguous())
     if variant == "f16":
@@ -195,7 +264,8 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
         bias.contiguous() if bias is not None else dummy, out, dummy, dummy, dummy,
         m, n, k, tiles_m, 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
-        BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, A_F16=variant == "f16", W_F16=variant != "decode", **cfg)
+        BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, A_F16=variant == "f16", W_F16=variant != "decode", KC=k_chunk(),
+        **cfg)
     return out
 
 
@@ -212,28 +282,32 @@ def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, dev
         cfg = grouped_cuda_config(m, e)
         if _grouped_proven(cfg, device):
             return cfg
+    f16 = GROUPED_F16_CHUNKED if k_chunk() else GROUPED_F16_CONFIG
     if prepared:
-        return dict(GROUPED_F16_CONFIG)
-    if m >= 64 * e and device is not None and _grouped_proven(GROUPED_F16_CONFIG, device):
-        return dict(GROUPED_F16_CONFIG)
+        return dict(f16)
+    if m >= 64 * e and device is not None and _grouped_proven(f16, device):
+        return dict(f16)
     return dict(GROUPED_FALLBACK)
 
 
 GROUPED_F16_CONFIG = dict(BM=128, BN=256, num_warps=8, num_stages=4, variant="f16")
+GROUPED_F16_CHUNKED = dict(BM=128, BN=128, num_warps=8, num_stages=4, variant="f16")  # chunk sum tile fits
 GROUPED_FALLBACK = dict(BM=64, BN=64, num_warps=4, num_stages=4, variant="decode")
 GROUPED_CUDA_ROWS = 32  # rows per expert (average) up to which the CUDA decode kernel serves grouped GEMMs
 _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then GROUPED_FALLBACK: same K order)
 
 
 def grouped_cuda_config(m: int, e: int) -> dict:
-    """Token tiles of 8 rows when experts average <= 4 rows (decode: most experts get 1..3 tokens), else 16."""
-    return dict(variant="cuda", NT=1 if m <= 4 * e else 2, W=4, D=8, SEG=4)
+    """Token tiles of 8 rows, 8 warps per CTA (the best grouped config of the same sweep at 1..64 tokens x top-8
+    over 128 experts: most experts get 1..3 rows), an 8-step ring. Under K chunks one lane per row group (the
+    experts' tiles already fill the GPU)."""
+    return dict(variant="cuda", NT=1, W=8, D=8, SEG=0)
 
 
 def _grouped_proven(cfg: dict, device) -> bool:
     """Probe (once per config and GPU): cfg vs the grouped decode loop on a ragged problem with empty groups
     (K in whole 128-wide steps, which every grouped config takes)."""
-    key = ("grouped-" + config_name(cfg), device.index)
+    key = ("grouped", device.index, tuple(sorted(cfg.items())), k_chunk())
     if key in _verified:
         return _verified[key]
     if torch.cuda.is_current_stream_capturing():
@@ -274,10 +348,9 @@ def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
             ends[-1:].to(torch.int64))
 
 
-def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+def _grouped_choice(a, ex: NVFP4Experts, config=None):
+    """(config, CUDA module or None, the CUDA kernel takes these operands) for a grouped GEMM over ``ex``."""
     from . import _cuda_decode
-    from . import _triton_gemm as tg
-    from . import _w32_launch
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
@@ -286,6 +359,26 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)
+    return cfg, mod, cuda_ok
+
+
+def grouped_config_for(a: NVFP4Tensor, ws, backend: str | None = None) -> str:
+    """Name of the kernel config ``grouped_nvfp4_gemm(a, ws, ...)`` runs (benchmark tables), as ``config_for``."""
+    ex = stack_experts(ws)
+    path = gemm_path(a.device, backend)
+    if path == "torch":
+        return path
+    return config_name(_grouped_choice(a, ex)[0])
+
+
+def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+    from . import _cuda_decode
+    from . import _triton_gemm as tg
+    from . import _w32_launch
+    m, k = a.shape
+    e, n, _ = ex.shape
+    dev = a.device
+    cfg, mod, cuda_ok = _grouped_choice(a, ex, config)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
@@ -293,14 +386,20 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     if variant == "cuda":
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
-        return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg)
+        try:
+            return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, k_chunk())
+        except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton configs
+            if config:
+                raise
+            cfg = _grouped_config(False, ex.f16 is not None, m, e, dev)
+            variant = cfg.get("variant", "decode")
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
     tile_e, tile_r, bound, _ = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])
     offs32 = offsets.to(torch.int32).contiguous()
     try:
         if variant in _w32_launch.WORD_VARIANTS:
-            return _w32_launch.launch_grouped(a, ex, out, cfg, (tile_e, tile_r, bound, offs32))
+            return _w32_launch.launch_grouped(a, ex, out, cfg, (tile_e, tile_r, bound, offs32), k_chunk())
         if variant not in ("decode", "w16", "f16"):
             raise ValueError(f"unknown grouped GEMM variant {variant!r}")
         cfg.pop("variant", None)
@@ -317,7 +416,8 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
             a_arg, _u8(a.scales), w_arg, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
             m, n, k, 0, ws_c, scales.stride(0), gw.stride(0),
             GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
-            BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, A_F16=variant == "f16", W_F16=variant != "decode", **cfg)
+            BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, A_F16=variant == "f16", W_F16=variant != "decode", KC=k_chunk(),
+            **cfg)
     except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
         if config or dev.type == "cpu":
             raise

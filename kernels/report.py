@@ -44,8 +44,17 @@ def _tokens(shape: str) -> int:
     return int(shape.rsplit("_T", 1)[1])
 
 
+def _config_column(d: pd.DataFrame, index: list[str]) -> pd.Series | None:
+    """The kernel config ``ours`` ran at each point (rows written before the column existed have none)."""
+    if "config" not in d:
+        return None
+    ours = d[d.provider == "ours"].set_index(index)["config"]
+    return ours[~ours.index.duplicated()]
+
+
 def decode_table(df: pd.DataFrame) -> str:
-    """Dense M <= 64: microseconds, GB/s of the bytes each provider must move, and speed vs cuBLAS bf16."""
+    """Dense M <= 64: microseconds, GB/s of the bytes each provider must move, speed vs cuBLAS bf16, and the
+    kernel config ours ran."""
     d = df[(df.kernel == "gemm") & (df.M <= 64) & df.provider.isin(["cublas_bf16", "ours", "ours_prepared"])]
     if not len(d):
         return ""
@@ -57,6 +66,9 @@ def decode_table(df: pd.DataFrame) -> str:
             out[f"{p} GB/s"] = t["gbps", p].round(0)
     if "cublas_bf16 us" in out and "ours us" in out:
         out["ours speed vs cuBLAS"] = (out["cublas_bf16 us"] / out["ours us"]).round(2)
+    config = _config_column(d, ["shape", "M"])
+    if config is not None:
+        out["ours config"] = config.reindex(out.index)
     return out.to_markdown()
 
 
@@ -73,6 +85,9 @@ def grouped_decode_table(df: pd.DataFrame) -> str:
             out[f"{p} GB/s"] = t["gbps", p].round(0)
     if "grouped_mm_bf16 us" in out and "ours us" in out:
         out["ours speed vs grouped_mm"] = (out["grouped_mm_bf16 us"] / out["ours us"]).round(2)
+    config = _config_column(g, ["shape", "M"])
+    if config is not None:
+        out["ours config"] = config.reindex(out.index)
     return out.to_markdown()
 
 

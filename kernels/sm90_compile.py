@@ -31,6 +31,22 @@ def compile_one(fn, types, consts, num_warps, num_stages, div16=()):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def _resources(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, spill-store bytes) of a compiled kernel, from ``cuobjdump -res-usage`` (triton's bundled copy
+    or one on PATH); (None, None) without one."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if tool is None:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs, spill = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else None)
+
+
 def configs():
     from . import gemm as G
     yield "dense", dict(G.SAFE_CONFIG)
@@ -78,7 +94,13 @@ def compile_cuda() -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m minite.kernels.sm90_compile")
+    ap.add_argument("--k-chunk", type=int, default=0, help="compile under the K-chunk contract (gemm.k_chunk)")
+    ap.add_argument("--only", default="", help="compile only configs whose name contains this")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA decode kernel")
+    args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET first", file=sys.stderr)
         return 2
@@ -91,9 +113,14 @@ def main() -> int:
             continue
         seen.add(key)
         variant = cfg.pop("variant")
+        if variant == "cuda":
+            continue
         grouped = kind == "grouped"
+        name = f"{kind} {variant}:{cfg['BM']}x{cfg['BN']}w{cfg['num_warps']}s{cfg['num_stages']}"
+        if args.only not in name:
+            continue
         common = dict(GA_ROW=True, GW_ROW=grouped, HAS_BIAS=not grouped, GROUPED=grouped, BM=cfg["BM"],
-                      BN=cfg["BN"], BK=tg.BK, GROUP_M=1 if grouped else cfg.get("GROUP_M", 1))
+                      BN=cfg["BN"], BK=tg.BK, GROUP_M=1 if grouped else cfg.get("GROUP_M", 1), KC=args.k_chunk)
         if variant in ("decode32", "small", "w16w"):
             fn = tw.nvfp4_mm_w32_kernel
             wtype = "*fp16" if variant == "w16w" else "*i32"
@@ -115,7 +142,7 @@ def main() -> int:
             consts = dict(common, A_F16=variant == "f16", W_F16=variant != "decode")
             div = ("K", "N", "w_estride_c")
         div = tuple(n for n in fn.arg_names if n in types and types[n].startswith("*")) + div
-        name = f"{kind} {variant}:{cfg['BM']}x{cfg['BN']}w{cfg['num_warps']}s{cfg['num_stages']}"
+        name += f" kc{args.k_chunk}" if args.k_chunk else ""
         try:
             k = compile_one(fn, types, consts, cfg["num_warps"], cfg["num_stages"], div)
         except Exception as exc:
@@ -124,7 +151,7 @@ def main() -> int:
             continue
         ptx = k.asm["ptx"]
         smem = k.metadata.shared
-        regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+        regs, spills = _resources(k.asm["cubin"])
         cp = ptx.count("cp.async.cg") + ptx.count("cp.async.ca")
         cp16 = ptx.count(", 16;") if cp else 0
         tma = ptx.count("cp.async.bulk")
@@ -133,8 +160,9 @@ def main() -> int:
         ok = smem <= SMEM_LIMIT
         bad += not ok
         print(f"{'ok  ' if ok else 'SMEM'} {name:34s} smem {smem / 1024:6.1f} KB  cp.async {cp:4d} (16B {cp16:3d}) "
-              f"bulk {tma:3d} wgmma {wg:3d} mma.sync {mma:3d} regs {regs} spills {spills}", flush=True)
-    bad += compile_cuda()
+              f"bulk {tma:3d} wgmma {wg:3d} mma.sync {mma:3d} regs {regs} stack {spills}", flush=True)
+    if not args.no_cuda:
+        bad += compile_cuda()
     return 1 if bad else 0
 
 

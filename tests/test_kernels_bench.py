@@ -13,8 +13,11 @@ def test_kernel_bench_dry_run_writes_csv_and_summary(tmp_path):
     assert need <= set(df.columns)
     assert {"gemm", "grouped_gemm", "quantize"} <= set(df.kernel)
     assert {"cublas_bf16", "naive_emulation", "ours", "ours_prepared"} <= set(df.provider)
+    ours = df[df.provider.isin(["ours", "ours_prepared"]) & (df.kernel != "quantize")]
+    assert ours.config.notna().all() and (ours.config != "").all()  # the kernel config each point ran
     md = out.with_suffix(".md").read_text()
     assert "sha:" in md and "command:" in md and "dry run" in md
+    assert "ours config" in md  # the decode tables name it
 
 
 def test_ratios_are_speed_ratios():

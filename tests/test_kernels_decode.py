@@ -77,6 +77,75 @@ def test_bad_config_is_refused():
         _cuda_decode._check(dict(NT=3, W=4, D=8))
     with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
         _cuda_decode._check(dict(NT=4, W=1, D=8))  # two token units per thread at most
+    with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
+        _cuda_decode._check(dict(NT=1, W=4, D=8, C=8))  # chunk lanes must divide the warps
+    with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
+        _cuda_decode._check(dict(NT=1, W=4, D=2))  # the ring runs D - 3 steps ahead
+    with pytest.raises(ValueError, match="power of two"):
+        _cuda_decode.chunk_log2(3)
+    with pytest.raises(ValueError, match="no token segment fits"):  # a round of 8 chunks of 4 steps > 8 steps
+        _cuda_decode.segment(dict(NT=2, W=4, D=8, C=8), 64, 4, 8)
+
+
+def test_token_segments_fit_shared_memory():
+    """K = 8192 in chunks of 512 over 4 lanes of 8 warps: two 32-step token buffers (and the ring, the chunk
+    sums) would need 232 KB, over the H200's 227 KB: 16-step segments fit; nothing fits a 100 KB limit (then
+    the dispatcher uses the Triton kernels)."""
+    cfg = dict(NT=1, W=8, D=8, SEG=0, C=4)
+    limit = 232448
+    assert _cuda_decode.smem_bytes(cfg, 64, 32, 4, 4) > limit
+    seg = _cuda_decode.segment(cfg, 64, 4, 4, limit)
+    assert seg == 16 and _cuda_decode.smem_bytes(cfg, 64, seg, 4, 4) <= limit
+    assert _cuda_decode.segment(cfg, 16, 4, 4, limit) == 16  # all of K = 2048 at once
+    with pytest.raises(ValueError, match="no token segment fits"):
+        _cuda_decode.segment(cfg, 64, 4, 4, 100_000)
+
+
+def _kernel_step_count(nsteps, lanes, chunk_steps, c):
+    """J in decode_gemm.cu: my chunks, the last one possibly short (its closed form, mirrored)."""
+    lcs = chunk_steps.bit_length() - 1 if chunk_steps else 20
+    cs = 1 << lcs
+    nchunks = -(-nsteps // cs)
+    mine = (nchunks - 1 - c) // lanes + 1 if c < nchunks else 0
+    last = c + (mine - 1) * lanes
+    return 0 if mine == 0 else min(mine << lcs, (mine - 1) * cs + nsteps - (last << lcs))
+
+
+@pytest.mark.parametrize("depth", _cuda_decode.DEPTHS)
+def test_schedule_runs_every_step_once_in_the_contract_order(depth):
+    """The kernel's main loop (mirrored step by step by the twin, for every segment and chunk-lane layout the
+    launcher can pick): each warp's mma chain consumes its steps in order with the fragments decoded from
+    exactly those steps' weight words and token fragments from the buffer that holds them; every warp passes
+    the same segment barriers; the chunk sums cover K once and are added in chunk order (one chain: all of K
+    in order)."""
+    tried = 0
+    for nsteps in (1, 2, 3, 5, 6, 9, 16, 17, 33):
+        for chunk_steps, lanes in ((0, 1), (1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (4, 8), (8, 4)):
+            for nt, warps, seg_cfg in ((1, 4, 0), (2, 4, 0), (1, 8, 0), (4, 4, 0), (2, 8, 4), (1, 2, 3)):
+                cfg = dict(NT=nt, W=warps, D=depth, SEG=seg_cfg, C=lanes)
+                if warps % lanes:
+                    continue
+                eff = _cuda_decode.lanes_for(cfg, nsteps, chunk_steps)
+                try:
+                    seg = _cuda_decode.segment(cfg, nsteps, chunk_steps, eff)
+                except ValueError:
+                    continue
+                assert seg * 32 * nt <= _cuda_decode.units_per_thread(nt) * 32 * warps  # the launch check
+                assert seg >= nsteps or not chunk_steps or seg % (eff * chunk_steps) == 0
+                sim = _decode_twin.simulate_row_group(nsteps, eff, chunk_steps, seg, depth)
+                covered = []
+                for c, lane in enumerate(sim["lanes"]):
+                    mine = _decode_twin.my_steps(nsteps, eff, chunk_steps, c)
+                    assert len(mine) == _kernel_step_count(nsteps, eff, chunk_steps, c)
+                    assert [s for s, _, _ in lane["consumed"]] == mine
+                    assert all(s == frag == tok for s, frag, tok in lane["consumed"])
+                    assert lane["switches"] == -(-nsteps // seg) - 1
+                    covered += mine
+                assert sorted(covered) == list(range(nsteps))
+                cs = chunk_steps or nsteps
+                assert sim["fold"] == [list(range(q * cs, min(q * cs + cs, nsteps))) for q in range(-(-nsteps // cs))]
+                tried += 1
+    assert tried > 100
 
 
 def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
@@ -85,7 +154,7 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(G, "_proven", lambda c, d: True)
     assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.cuda_config(1)
-    assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 2, 2, 4, 4]
+    assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 1, 1, 2, 2]
     assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64)
     assert G._pick_config(G.CUDA_MAX_M + 1, 4096, dev, cuda_ok=True)["variant"] != "cuda"
     assert G._pick_config(1, 4096, dev, cuda_ok=False)["variant"] == "small"
@@ -114,8 +183,9 @@ def _gpu_module():
     return dev
 
 
-CONFIGS = [dict(variant="cuda", NT=nt, W=w, D=d, SEG=4) for nt, w, d in
-           ((1, 4, 8), (2, 4, 8), (1, 2, 4), (2, 8, 4), (4, 4, 8), (1, 1, 8))]
+CONFIGS = [dict(variant="cuda", NT=nt, W=w, D=d, SEG=seg) for nt, w, d, seg in
+           ((1, 4, 8, 4), (2, 4, 8, 4), (1, 2, 4, 4), (2, 8, 4, 4), (4, 4, 8, 4), (1, 1, 8, 4), (1, 4, 16, 0),
+            (2, 4, 8, 0), (2, 8, 16, 0), (4, 8, 8, 0))]
 
 
 @pytest.mark.gpu
