@@ -38,9 +38,9 @@ import time
 
 import torch
 
+from minite import distributed as D
 from minite.diagnostics.localise import SamplerCapture, attention_mask_for, capture_trainer, compare_positions
 from minite.diagnostics.metrics import align_trainer_logprobs
-from minite import distributed as D
 from minite.rl.evaluate import heldout_accuracy
 
 
