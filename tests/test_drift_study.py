@@ -139,7 +139,7 @@ def test_dry_run_results_table_cpu_profile(wf):  # noqa: F811
         "sft": 1, "rl": 3, "rl_seed": 1, "eval": 3, "eval_seed": 1, "results_table_files": 1, "results_table": 1}
     r = smk(wf, "-n", "-p", "results_table", "--config", "extra_seeds={bf16: [1]}")
     ev = next(ln for ln in r.stdout.splitlines() if "minite eval --arm bf16" in ln and "seed" in ln)
-    assert "--device cpu" in ev and "--seed 1 --run results/cpu/bf16_seed1" in ev   # no placement on CPU
+    assert "--device cpu" in ev and "--seed 1 --run-dir results/cpu/bf16_seed1" in ev   # no placement on CPU
     bad = smk(wf, "-n", "results_table", "--config", "extra_seeds={fp8: [1]}", check=False)
     assert bad.returncode != 0 and "extra_seeds names arms" in bad.stdout + bad.stderr
 
