@@ -134,9 +134,10 @@ def test_editing_one_arm_yaml_reruns_only_that_arm(wf):
     for p in (wf / "configs").rglob("*.yaml"):
         os.utime(p, (old, old))
     for arm in ARMS:                                        # pretend every arm was benchmarked already
-        out = wf / "results" / "cpu" / arm / "learner.json"
-        out.parent.mkdir(parents=True)
-        out.write_text("{}")
+        for name in ("learner.json", "rollout.json"):
+            out = wf / "results" / "cpu" / arm / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("{}")
     for ext in ("csv", "md", "tex"):
         (wf / "results" / "cpu" / f"throughput_table.{ext}").write_text("x")
     (wf / "results" / "cpu" / "figures").mkdir()
@@ -147,7 +148,8 @@ def test_editing_one_arm_yaml_reruns_only_that_arm(wf):
     os.utime(wf / "configs" / "arms" / "bf16.yaml")         # edit one arm
     r = smk(wf, "-n", "-p", "throughput_table", "--rerun-triggers", "mtime")
     jobs = job_counts(r.stdout)
-    assert jobs.get("bench_learner") == 1 and "--arm bf16" in r.stdout and "--arm minite_nvfp4" not in r.stdout
+    assert jobs.get("bench_learner") == 1 and jobs.get("bench_sampler") == 1
+    assert "--arm bf16" in r.stdout and "--arm minite_nvfp4" not in r.stdout
     assert jobs.get("throughput_table_files") == 1         # the table is rebuilt from the new row
 
 
@@ -249,8 +251,10 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
         "arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "flag",
         "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
         "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
-        "gpu_driver"]
+        "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms"]
     assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()
+    assert job_counts(r.stdout + r.stderr).get("bench_sampler") == 3   # the rollout columns, measured too
+    assert (df["rollout_tokens_per_s"] > 0).all() and (df["rollout_roofline_frac"] > 0).all()
     assert (df["sha"] == head).all(), (df["sha"].tolist(), head)       # this commit, clean tree
     assert df.loc[df["arm"] == "bf16", "ratio_vs_bf16"].item() == 1.0
     assert (df["model"] == "tiny").all() and df["device"].str.startswith("cpu").all()

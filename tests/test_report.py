@@ -11,6 +11,7 @@ import pytest
 
 from minite.provenance import append_jsonl, write_json
 from minite.report import figures, load, tables
+from minite.report.load import ResultError
 
 ARMS = ["bf16", "naive_te_nvfp4", "minite_nvfp4"]
 TPS = {"bf16": 1000.0, "naive_te_nvfp4": 800.0, "minite_nvfp4": 1390.0}
@@ -65,6 +66,28 @@ def test_table_columns_ratios_and_files(results):
     assert not _warned_rows(md) and "Beside the reference" not in md
     tex = (results / "throughput_table.tex").read_text()
     assert "\\toprule" in tex and "naive\\_te\\_nvfp4" in tex and "1.39" in tex
+
+
+def test_rollout_columns_from_bench_sampler_records(results):
+    """rollout.json beside learner.json: decode tokens/s, its ratio to bf16, the roofline fraction and the
+    median step go into the table and a rollout section of the markdown; arms without one get NaN."""
+    decode = {"bf16": 2000.0, "minite_nvfp4": 2500.0}
+    for arm, tps in decode.items():
+        write_json(results / arm / "rollout.json",
+                   {"decode_tokens_per_s": tps, "roofline_frac": tps / 10000, "step_ms": {"median": 64e3 / tps},
+                    "cuda_graphs": True, "model": "tiny", "layers": 2, "batch": 64, "prompt_len": 32,
+                    "new_tokens": 64, "device": "cpu"})
+    df = tables.write_throughput_table(results, ARMS).set_index("arm")
+    assert df.loc["minite_nvfp4", "rollout_tokens_per_s"] == 2500.0
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16"] == pytest.approx(1.25)
+    assert df.loc["bf16", "rollout_roofline_frac"] == pytest.approx(0.2)
+    assert df.loc["minite_nvfp4", "rollout_step_ms"] == pytest.approx(25.6)
+    assert math.isnan(df.loc["naive_te_nvfp4", "rollout_tokens_per_s"])
+    md = (results / "throughput_table.md").read_text()
+    assert "## Rollout (decode) throughput" in md and "| minite_nvfp4 | 2,500 | 1.25x |" in md
+    write_json(results / "bf16" / "rollout.json", {"tokens": 1})
+    with pytest.raises(ResultError, match="not a bench-sampler record"):
+        tables.write_throughput_table(results, ARMS)
 
 
 def test_spread_and_ratio_range_from_the_step_times(tmp_path):

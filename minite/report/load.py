@@ -73,6 +73,18 @@ def load_learner(results_dir, arms, missing: str = "raise") -> dict[str, dict]:
     return out
 
 
+def load_rollout(results_dir, arms, missing: str = "skip") -> dict[str, dict]:
+    """arm -> the rollout.json record of ``bench-sampler`` (provenance lifted to the top level); arms without
+    one are left out (the rollout columns are optional)."""
+    out = {}
+    for arm, path in _paths(results_dir, arms, "rollout.json", missing).items():
+        rec = json.loads(path.read_text())
+        if not isinstance(rec, dict) or "decode_tokens_per_s" not in rec or "roofline_frac" not in rec:
+            raise ResultError(f"{path}: not a bench-sampler record (decode_tokens_per_s, roofline_frac)")
+        out[arm] = {**rec.get("provenance", {}), **{k: v for k, v in rec.items() if k != "provenance"}}
+    return out
+
+
 def load_stability(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
     """All arms' stability.jsonl as one long frame: ``arm``, ``step`` and every logged field, nested
     objects flattened with '/' (``{"mismatch": {"k3": ..}}`` -> ``mismatch/k3``). A torn last line (a job

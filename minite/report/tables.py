@@ -8,6 +8,10 @@ Ratios are against the ``bf16`` and ``naive_te_nvfp4`` rows of the same table (N
 among the arms requested): the ratio of the medians, with a range from the per-step distributions,
 ``_lo`` = this arm's q25 tokens/s / the reference arm's q75 and ``_hi`` = q75 / q25.
 
+Rollout columns (``rollout_*``, NaN for arms without a ``rollout.json`` of ``bench-sampler``): decode tokens/s,
+its ratio to the ``bf16`` arm's, the fraction of the weights' bandwidth roofline reached, the median decode
+step (ms). The rollout setup (model slice, batch) is its own and is stated in the markdown.
+
 The trust rule (``flag``): a row is flagged when it has fewer than ``MIN_STEPS`` timed steps (too few to
 know its spread) or a spread above ``SPREAD_LIMIT`` (10%: a ratio against it can be off by that much);
 a ratio involving a flagged row is marked as not to be trusted.
@@ -20,13 +24,14 @@ from pathlib import Path
 import pandas as pd
 
 from minite.provenance import write_csv, write_text
-from minite.report.load import ResultError, load_learner
+from minite.report.load import ResultError, load_learner, load_rollout
 from minite.telemetry import SPREAD_LIMIT, timing_summary
 
 COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "flag",
            "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi",
            "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
-           "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver"]
+           "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver",
+           "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms"]
 BF16, NAIVE, MINITE = "bf16", "naive_te_nvfp4", "minite_nvfp4"
 #: Fewer timed steps than this and the spread is unknown: the row is flagged.
 MIN_STEPS = 5
@@ -58,8 +63,9 @@ def _row(arm: str, rec: dict) -> dict:
                                        "triton", "gpu_driver")}}
 
 
-def throughput_table(learner: dict[str, dict]) -> pd.DataFrame:
-    """learner: arm -> learner.json record (``load_learner``), in the row order wanted."""
+def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None = None) -> pd.DataFrame:
+    """learner: arm -> learner.json record (``load_learner``), in the row order wanted; rollout: arm ->
+    rollout.json record (``load_rollout``), for the rollout columns."""
     if not learner:
         raise ResultError("no learner results to tabulate")
     setups = {(str(r["model"]), str(r["layers"])) for r in learner.values()}
@@ -78,6 +84,15 @@ def throughput_table(learner: dict[str, dict]) -> pd.DataFrame:
         df[f"{name}_hi"] = df["tokens_per_s_q75"] / r.tokens_per_s_q25
         df.loc[df["arm"] == ref, [f"{name}_lo", f"{name}_hi"]] = 1.0    # an arm against itself: exactly 1
     df["tokens_per_s"] = df["tokens_per_s"].astype(float)
+    rollout = rollout or {}
+    df["rollout_tokens_per_s"] = [float(rollout[a]["decode_tokens_per_s"]) if a in rollout else math.nan
+                                  for a in df["arm"]]
+    ref = rollout.get(BF16)
+    df["rollout_ratio_vs_bf16"] = df["rollout_tokens_per_s"] / (ref["decode_tokens_per_s"] if ref else math.nan)
+    df["rollout_roofline_frac"] = [float(rollout[a]["roofline_frac"]) if a in rollout else math.nan
+                                   for a in df["arm"]]
+    df["rollout_step_ms"] = [float(rollout[a]["step_ms"]["median"]) if a in rollout else math.nan
+                             for a in df["arm"]]
     return df[COLUMNS]
 
 
@@ -132,8 +147,24 @@ THROUGHPUT_HEADER = ["arm", "tokens/s (median)", "interquartile range", "steps",
                      "vs naive TE NVFP4", "step (ms)", "peak mem (GB)", "trust"]
 
 
+def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
+    any_rec = next(iter(rollout.values()))
+    rows = [[r.arm, _fmt(r.rollout_tokens_per_s, ",.0f"), _ratio(r.rollout_ratio_vs_bf16),
+             _fmt(r.rollout_step_ms, ",.3f"), _fmt(100 * r.rollout_roofline_frac, ".1f") + "%",
+             "graphs" if rollout[r.arm].get("cuda_graphs") else "eager"]
+            for r in df.itertuples() if r.arm in rollout]
+    return ["## Rollout (decode) throughput", "",
+            f"`python -m minite bench-sampler`: `{any_rec.get('model')}` ({any_rec.get('layers')} layers), "
+            f"{any_rec.get('batch')} sequences, {any_rec.get('prompt_len')}-token prompts, "
+            f"{any_rec.get('new_tokens')} new tokens, on {any_rec.get('device')}. Roofline: tokens/s if every "
+            "decode step only read the weights it uses at the copy bandwidth measured in the same run.", "",
+            _md_table(["arm", "decode tokens/s", "vs BF16", "step (ms, median)", "of roofline", "decode path"],
+                      rows)]
+
+
 def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
-                reference: dict[str, dict] | None = None, reference_dir: str | None = None) -> str:
+                reference: dict[str, dict] | None = None, reference_dir: str | None = None,
+                rollout: dict[str, dict] | None = None) -> str:
     devices = sorted(set(df["device"].astype(str)))
     model, layers = df["model"].iloc[0], df["layers"].iloc[0]
     out = [f"# Learner throughput ({profile} profile)", "",
@@ -149,6 +180,8 @@ def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
         out += ["**Warning: the arms were measured on different devices; the ratios compare devices as "
                 "well as arms.**", ""]
     out.append(_md_table(THROUGHPUT_HEADER, _throughput_rows(df)))
+    if rollout:
+        out += ["", *_rollout_section(df, rollout)]
     if reference:
         out += ["", *_reference_section(df, reference, reference_dir)]
     ours = df.set_index("arm")
@@ -227,16 +260,18 @@ def _latex_ratio(v, lo, hi) -> str:
 
 def write_throughput_table(results_dir, arms, out_prefix=None, profile: str | None = None,
                            reference_dir=None) -> pd.DataFrame:
-    """Read ``<results_dir>/<arm>/learner.json`` for each arm; write ``<out_prefix>.{csv,md,tex}``
-    (default ``<results_dir>/throughput_table``). With ``reference_dir`` (a committed reference run of the
-    same profile) the markdown sets its rows beside this run's, labelled. Returns the table."""
+    """Read ``<results_dir>/<arm>/learner.json`` (and ``rollout.json`` where present) for each arm; write
+    ``<out_prefix>.{csv,md,tex}`` (default ``<results_dir>/throughput_table``). With ``reference_dir`` (a
+    committed reference run of the same profile) the markdown sets its rows beside this run's, labelled.
+    Returns the table."""
     results_dir = Path(results_dir)
     out_prefix = Path(out_prefix) if out_prefix else results_dir / "throughput_table"
     learner = load_learner(results_dir, arms)
-    df = throughput_table(learner)
+    rollout = load_rollout(results_dir, arms)
+    df = throughput_table(learner, rollout)
     reference = load_learner(reference_dir, arms, missing="skip") if reference_dir else None
     md = to_markdown(df, learner, profile or results_dir.name, reference or None,
-                     str(reference_dir) if reference_dir else None)
+                     str(reference_dir) if reference_dir else None, rollout)
     write_csv(out_prefix.with_suffix(".csv"), df)
     write_text(out_prefix.with_suffix(".md"), md)
     write_text(out_prefix.with_suffix(".tex"), to_latex(df))

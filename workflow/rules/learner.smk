@@ -1,4 +1,5 @@
-# Learner throughput: bench-learner per arm, then the table (csv/md/tex) and the bar figure.
+# Learner throughput: bench-learner per arm; rollout throughput: bench-sampler per arm (when the profile has a
+# bench_sampler job); then the table (csv/md/tex, learner and rollout columns) and the bar figure.
 
 
 rule bench_learner:
@@ -19,6 +20,28 @@ rule bench_learner:
         " --out {output} > {log} 2>&1"
 
 
+# Rollout (decode) throughput beside the learner's, for profiles that configure a bench_sampler job.
+ROLLOUT = per_arm(f"{RESULTS}/{{arm}}/rollout.json") if "bench_sampler" in config["jobs"] else []
+
+
+rule bench_sampler:
+    input:
+        arm=arm_yaml,
+        model=model_inputs("bench_sampler") if ROLLOUT else [],
+    output:
+        f"{RESULTS}/{{arm}}/rollout.json",
+    params:
+        args=job_args("bench_sampler") if ROLLOUT else "",
+    log:
+        f"{LOGS}/bench_sampler/{{arm}}.log",
+    threads: job_threads("bench_sampler") if ROLLOUT else 1
+    resources:
+        gpu=job_gpus("bench_sampler") if ROLLOUT else 0,
+    shell:
+        "OMP_NUM_THREADS={threads} {PY} -m minite bench-sampler --arm {wildcards.arm} {params.args}"
+        " --out {output} > {log} 2>&1"
+
+
 # The committed reference run of this profile, set beside the new one in the markdown (read, never written).
 REFERENCE_LEARNER = [p for p in per_arm(f"{REFERENCE}/{{arm}}/learner.json") if (REPO / p).is_file()]
 
@@ -26,6 +49,7 @@ REFERENCE_LEARNER = [p for p in per_arm(f"{REFERENCE}/{{arm}}/learner.json") if 
 rule throughput_table_files:
     input:
         run=per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+        rollout=ROLLOUT,
         reference=REFERENCE_LEARNER,
     output:
         csv=report(f"{RESULTS}/throughput_table.csv", caption="../report/throughput_table.rst",
