@@ -135,8 +135,10 @@ def _gpu():
 
 
 CHUNK_CONFIGS = [dict(variant="cuda", NT=nt, W=w, D=d, SEG=0, C=c) for nt, w, d, c in
-                 ((1, 4, 8, 1), (1, 4, 8, 4), (1, 8, 8, 4), (1, 8, 8, 8), (2, 8, 8, 2), (2, 8, 16, 4), (1, 8, 4, 2),
-                  (4, 8, 8, 1))]
+                 ((1, 4, 8, 1), (1, 4, 8, 4), (1, 8, 8, 4), (1, 8, 8, 8), (2, 8, 8, 2), (1, 8, 4, 2), (4, 8, 8, 1))]
+# Not listed: NT=2 with C=4 chunk lanes, which the H200 probe found NOT bit-equal under K chunks (the product's
+# first-use probe rejects them; K chunks are off by default), and NT=2 W=8 D=16 C=4, whose token segments do
+# not fit the H200's shared memory at K = 2176 (the product falls back to Triton for such a config).
 
 
 @pytest.mark.gpu
