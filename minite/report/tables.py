@@ -156,7 +156,8 @@ def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
     return ["## Rollout (decode) throughput", "",
             f"`python -m minite bench-sampler`: `{any_rec.get('model')}` ({any_rec.get('layers')} layers), "
             f"{any_rec.get('batch')} sequences, {any_rec.get('prompt_len')}-token prompts, "
-            f"{any_rec.get('new_tokens')} new tokens, on {any_rec.get('device')}. Roofline: tokens/s if every "
+            f"{any_rec.get('new_tokens')} new tokens, on {any_rec.get('device')} (this run: {run_label(rollout)}). "
+            "Roofline: tokens/s if every "
             "decode step only read the weights it uses at the copy bandwidth measured in the same run.", "",
             _md_table(["arm", "decode tokens/s", "vs BF16", "step (ms, median)", "of roofline", "decode path"],
                       rows)]
