@@ -26,7 +26,7 @@ class CharTokenizer:
         try:
             ids = [_ID[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary {''.join(VOCAB[3:])!r}")
+            raise ValueError(f"character {e.args[0]!r} is not in the char vocabulary {''.join(VOCAB[3:])!r}") from None
         return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
 
     def decode(self, ids, stop_at_eos: bool = True) -> str:

@@ -1,8 +1,8 @@
 """The bench pipeline (CPU dry run: every provider called once, CSV + summary written) and its CLI job."""
 import pandas as pd
+from minite.kernels import report
 
 from minite.cli import main
-from minite.kernels import report
 
 
 def test_kernel_bench_dry_run_writes_csv_and_summary(tmp_path):

@@ -1,10 +1,18 @@
 """nvfp4_gemm / grouped_nvfp4_gemm: vs nvfp4_matmul_reference, batch invariance, groups, errors, dispatch."""
 import pytest
 import torch
+from minite.kernels import (
+    NVFP4Experts,
+    _backend,
+    blackwell,
+    checks,
+    gemm_path,
+    grouped_nvfp4_gemm,
+    nvfp4_gemm,
+    stack_experts,
+)
 
 from minite import nvfp4 as ref
-from minite.kernels import NVFP4Experts, gemm_path, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
-from minite.kernels import _backend, blackwell, checks
 
 BACKENDS = ("triton", "torch")
 
@@ -198,7 +206,8 @@ def test_variants_bitwise_equal_interpreter(variant):
     pw = prepare_weight(w, backend="triton")
     assert pw.f16.shape == (40, 512)
     assert torch.equal(nvfp4_gemm(a, pw, out_dtype=torch.float32, backend="triton", config=cfg), base)
-    assert torch.equal(nvfp4_gemm(a, prepare_weight(w), out_dtype=torch.float32), nvfp4_gemm(a, w, out_dtype=torch.float32))
+    assert torch.equal(nvfp4_gemm(a, prepare_weight(w), out_dtype=torch.float32),
+                       nvfp4_gemm(a, w, out_dtype=torch.float32))
 
 
 def test_config_probe_accepts_equal_and_rejects_broken(monkeypatch):

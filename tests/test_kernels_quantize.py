@@ -3,10 +3,10 @@ import itertools
 
 import pytest
 import torch
-
-from minite import nvfp4 as ref
 from minite.kernels import quantize
 from minite.kernels.checks import check_quantize, same_bits, spread_input
+
+from minite import nvfp4 as ref
 
 
 def _same(q, r):

@@ -39,10 +39,11 @@ def test_round_trip_naive_sampler(tiny, tmp_path):
     # q/k/v: separate modules, shared weight_scale_2 and input_scale, codes = the sampler's fused rows
     nq, nkv = 4 * 32, 2 * 32
     parts = split_rows(s.weights.layers[1].qkv.q, [nq, nkv, nkv])
-    for x, part in zip("qkv", parts):
+    for x, part in zip("qkv", parts, strict=True):
         m = f"model.layers.1.self_attn.{x}_proj"
         assert t[f"{m}.weight"].dtype == torch.uint8 and t[f"{m}.weight"].shape == (part.shape[0], 64)
-        assert t[f"{m}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{m}.weight_scale"].shape == (part.shape[0], 8)
+        assert t[f"{m}.weight_scale"].dtype == torch.float8_e4m3fn
+        assert t[f"{m}.weight_scale"].shape == (part.shape[0], 8)
         assert t[f"{m}.weight_scale_2"].shape == () and t[f"{m}.input_scale"].shape == ()
         assert torch.equal(t[f"{m}.weight"], part.codes)
         assert torch.equal(t[f"{m}.weight_scale"].view(torch.uint8), part.scales.view(torch.uint8))

@@ -41,7 +41,7 @@ def test_tiny_builds_upstream_model_with_expected_parameters():
     assert names["model.layers.1.self_attn.k_proj.weight"].shape == (64, 128)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     again = M.build_hf_model(cfg, M.build_hf_config(cfg), seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))  # seeded init
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))  # seeded init
 
 
 def test_unknown_model_lists_known_ones():

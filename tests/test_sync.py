@@ -129,7 +129,7 @@ def test_split_and_cat_rows_round_trip():
     g = torch.Generator().manual_seed(0)
     parts = [nvfp4.quantize(torch.randn(n, 32, generator=g), formula="te") for n in (16, 32, 16)]
     fused = cat_rows(parts)
-    for a, b in zip(split_rows(fused, [16, 32, 16]), parts):
+    for a, b in zip(split_rows(fused, [16, 32, 16]), parts, strict=True):
         assert torch.equal(a.codes, b.codes) and torch.equal(nvfp4.dequantize(a), nvfp4.dequantize(b))
     shared = quantize_weight([torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)],
                              load_arm("naive_te_nvfp4").sampler.weights)

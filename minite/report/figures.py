@@ -306,7 +306,7 @@ def drift_study(stability: pd.DataFrame, heldout: pd.DataFrame | None = None, ou
     colors = palette(arms)
     sns.set_theme(style="whitegrid", context="paper")
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.4), sharex=False)
-    for ax, (name, ylabel, log) in zip(axes.flat, STUDY_PANELS):
+    for ax, (name, ylabel, log) in zip(axes.flat, STUDY_PANELS, strict=True):
         if name == "heldout":
             have = heldout is not None and not heldout.empty
             for arm in arms if have else []:
