@@ -16,18 +16,17 @@ function of (seed, step): ``train_batch(step, n)`` needs no state, so a resumed 
 """
 from __future__ import annotations
 
-import hashlib
 import random
 
 import torch
 
-from minite.tasks.base import Problem, Task, TaskError
+from minite.tasks.base import GeneratedTask, Problem, TaskError
 from minite.tokenizer import EOS, CharTokenizer
 
 OPS = ("+", "-", "*", "/")
 
 
-class ArithmeticTask(Task):
+class ArithmeticTask(GeneratedTask):
     """Multi-digit arithmetic ("12+34=" -> "46") with a deterministic held-out split."""
 
     kind = "arithmetic"
@@ -68,41 +67,16 @@ class ArithmeticTask(Task):
             ans, a = a, a * b
         return Problem(f"{a}{op}{b}=", str(ans))
 
-    def is_heldout(self, p: Problem) -> bool:
-        h = hashlib.blake2b(p.prompt.encode(), key=self._key, digest_size=8).digest()
-        return int.from_bytes(h, "big") / 2 ** 64 < self.heldout_frac
-
-    def _draw_side(self, rng: random.Random, heldout: bool) -> Problem:
-        for _ in range(100_000):
-            p = self._draw(rng)
-            if self.is_heldout(p) == heldout:
-                return p
-        raise TaskError("could not draw a problem on this side of the split (problem space too small?)")
-
     @property
     def max_prompt_len(self) -> int:
         """Longest prompt in tokens: bos + a + op + b + '=' (a dividend has up to 2 x digits digits)."""
         return 1 + (2 if "/" in self.ops else 1) * self.digits + 1 + self.digits + 1
 
-    def train_batch(self, step: int, n: int, stream: str = "rl") -> list[Problem]:
-        """The ``n`` training problems of step ``step`` of a data stream ("rl", "sft", "calib"): a pure
-        function of (seed, stream, step), so a resumed run draws the same problems."""
-        rng = random.Random(f"train-{stream}-{self.seed}-{step}")
-        return [self._draw_side(rng, heldout=False) for _ in range(n)]
+    def _train_stream(self, stream: str, step: int) -> str:
+        return f"train-{stream}-{self.seed}-{step}"
 
-    def heldout(self, n: int | None = None) -> list[Problem]:
-        """The fixed held-out evaluation set (first ``n`` of ``n_heldout`` problems; distinct prompts)."""
-        if self._heldout is None:
-            rng, seen, out = random.Random(f"heldout-{self.seed}"), set(), []
-            for _ in range(200 * self.n_heldout):
-                p = self._draw_side(rng, heldout=True)
-                if p.prompt not in seen:
-                    seen.add(p.prompt)
-                    out.append(p)
-                if len(out) == self.n_heldout:
-                    break
-            self._heldout = out
-        return self._heldout[: n or self.n_heldout]
+    def _heldout_stream(self) -> str:
+        return f"heldout-{self.seed}"
 
     # --- tokens and rewards ---------------------------------------------------------------------
     def encode_prompt(self, p: Problem) -> list[int]:

@@ -12,6 +12,8 @@ a fixed held-out list (``heldout(n)``). From those, every task offers the two pr
 """
 from __future__ import annotations
 
+import hashlib
+import random
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,58 @@ class Task:
             raise TaskError(f"{n} held-out prompts asked for, the {self.kind} task holds {len(problems)} "
                             "(raise task.n_heldout)")
         return [self.encode_prompt(p) for p in problems]
+
+
+class GeneratedTask(Task):
+    """A task whose problems come from a seeded generator (``_draw``), split into train / held-out by a keyed
+    hash of the prompt. Subclasses set ``heldout_frac``, ``n_heldout``, ``_key`` (the hash key: the split) and
+    ``_heldout = None``, and name their random streams (``_train_stream``, ``_heldout_stream``), so a resumed
+    run, or another seed sharing the split, draws exactly the same problems."""
+
+    heldout_frac: float
+    n_heldout: int
+    _key: bytes
+    _heldout: list[Problem] | None
+
+    def _draw(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+    def _train_stream(self, stream: str, step: int) -> str:
+        raise NotImplementedError
+
+    def _heldout_stream(self) -> str:
+        raise NotImplementedError
+
+    def is_heldout(self, p: Problem) -> bool:
+        h = hashlib.blake2b(p.prompt.encode(), key=self._key, digest_size=8).digest()
+        return int.from_bytes(h, "big") / 2 ** 64 < self.heldout_frac
+
+    def _draw_side(self, rng: random.Random, heldout: bool) -> Problem:
+        for _ in range(100_000):
+            p = self._draw(rng)
+            if self.is_heldout(p) == heldout:
+                return p
+        raise TaskError("could not draw a problem on this side of the split (problem space too small?)")
+
+    def train_batch(self, step: int, n: int, stream: str = "rl") -> list[Problem]:
+        """The ``n`` training problems of step ``step`` of a data stream ("rl", "sft", "calib", ...): a pure
+        function of (seed, stream, step), so a resumed run draws the same problems."""
+        rng = random.Random(self._train_stream(stream, step))
+        return [self._draw_side(rng, heldout=False) for _ in range(n)]
+
+    def heldout(self, n: int | None = None) -> list[Problem]:
+        """The fixed held-out evaluation set (first ``n`` of ``n_heldout`` problems; distinct prompts)."""
+        if self._heldout is None:
+            rng, seen, out = random.Random(self._heldout_stream()), set(), []
+            for _ in range(200 * self.n_heldout):
+                p = self._draw_side(rng, heldout=True)
+                if p.prompt not in seen:
+                    seen.add(p.prompt)
+                    out.append(p)
+                if len(out) == self.n_heldout:
+                    break
+            self._heldout = out
+        return self._heldout[: n or self.n_heldout]
 
 
 def sft_batch(task: Task, problems: list[Problem]) -> dict:

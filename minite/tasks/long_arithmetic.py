@@ -36,13 +36,12 @@ task, so a resumed run draws the same problems.
 """
 from __future__ import annotations
 
-import hashlib
 import random
 import statistics
 
 import torch
 
-from minite.tasks.base import Problem, Task, TaskError
+from minite.tasks.base import GeneratedTask, Problem, TaskError
 from minite.tokenizer import EOS, CharTokenizer
 
 OPS = {"mul": "*", "add": "+"}
@@ -99,7 +98,7 @@ def add_trace(a: int, b: int) -> str:
     return f"a{_text(A)}b{_text(B)};+:" + ",".join(steps) + f";z{_text(total)};={a + b}"
 
 
-class LongArithmeticTask(Task):
+class LongArithmeticTask(GeneratedTask):
     """Long multiplication / addition with a column-by-column scratchpad (module docstring)."""
 
     kind = "long_arithmetic"
@@ -143,40 +142,16 @@ class LongArithmeticTask(Task):
         a, b = self.operands(p)
         return mul_trace(a, b) if self.op == "mul" else add_trace(a, b)
 
-    def is_heldout(self, p: Problem) -> bool:
-        h = hashlib.blake2b(p.prompt.encode(), key=self._key, digest_size=8).digest()
-        return int.from_bytes(h, "big") / 2 ** 64 < self.heldout_frac
-
-    def _draw_side(self, rng: random.Random, heldout: bool) -> Problem:
-        for _ in range(100_000):
-            p = self._draw(rng)
-            if self.is_heldout(p) == heldout:
-                return p
-        raise TaskError("could not draw a problem on this side of the split (problem space too small?)")
-
     @property
     def max_prompt_len(self) -> int:
         """bos + a + op + b + '='."""
         return 1 + self.digits + 1 + self.digits_b + 1
 
-    def train_batch(self, step: int, n: int, stream: str = "rl") -> list[Problem]:
-        """The ``n`` training problems of step ``step`` of a data stream: a pure function of (seed, stream, step)."""
-        rng = random.Random(f"longarith-{stream}-{self.seed}-{step}")
-        return [self._draw_side(rng, heldout=False) for _ in range(n)]
+    def _train_stream(self, stream: str, step: int) -> str:
+        return f"longarith-{stream}-{self.seed}-{step}"
 
-    def heldout(self, n: int | None = None) -> list[Problem]:
-        """The fixed held-out list (first ``n`` of ``n_heldout`` distinct problems), keyed by ``split_seed``."""
-        if self._heldout is None:
-            rng, seen, out = random.Random(f"longarith-heldout-{self.split_seed}"), set(), []
-            for _ in range(200 * self.n_heldout):
-                p = self._draw_side(rng, heldout=True)
-                if p.prompt not in seen:
-                    seen.add(p.prompt)
-                    out.append(p)
-                if len(out) == self.n_heldout:
-                    break
-            self._heldout = out
-        return self._heldout[: n or self.n_heldout]
+    def _heldout_stream(self) -> str:
+        return f"longarith-heldout-{self.split_seed}"   # keyed by the split: every seed evaluates the same problems
 
     def gold_lengths(self, n: int = 256) -> dict:
         """Gold response lengths in tokens (scratchpad + answer + EOS) over ``n`` training problems."""
