@@ -26,6 +26,8 @@ exact pure PyTorch on CPU.
         float64 attention, flash style (no [Tq, Tk] buffer); bitwise its PyTorch reference.
     invariant_gemm(x, w, bias=None, backend=None) -> [M, N]
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
+    sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
+        inverse-CDF sampling, one draw per row, CUDA-graph safe; one Triton pass set per row without top_p.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
@@ -34,7 +36,9 @@ from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, p
 from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight_groups
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
+from .sampling import sample_tokens
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
-           "prepare_experts", "gemm_path", "decode_attention", "invariant_attention", "invariant_gemm"]
+           "prepare_experts", "gemm_path", "decode_attention", "invariant_attention", "invariant_gemm",
+           "sample_tokens"]

@@ -82,33 +82,37 @@ def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
         return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
 
 
-def _padded_layout(offsets: torch.Tensor):
-    """Every expert's token segment padded to a multiple of 16: for each padded position the source row
-    (-1 = a zero token; the wgrad operands' ``gather``), the padded ends, and the token counts."""
+def _padded_layout(offsets: torch.Tensor, rows: int):
+    """The wgrad operands' token layout, computed on the device (no host sync; ``rows`` = the sorted rows'
+    count, known from the shapes): every expert's token segment zero-padded to a multiple of 16, an expert
+    without tokens to one block of 16 zero tokens (so no group is empty: its dW is a product of zeros,
+    exactly 0), and the slack of the static width ``rows + 16 E`` appended to the last segment as zero tokens
+    (zero products leave its sums as they are). Returns, for each padded position, the source row (-1 = a
+    zero token; the quantizer's ``gather``) and the padded segment ends (int32 [E], the last = the width)."""
+    e = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
-    pcounts = (counts + 15) // 16 * 16
-    pstart = torch.cumsum(pcounts, 0) - pcounts
-    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
-    rows = torch.arange(int(offsets[-1]), device=offsets.device)
-    src = torch.full((int(pcounts.sum()),), -1, dtype=torch.int32, device=offsets.device)
-    src[pstart[seg] + rows - offsets[:-1][seg]] = rows.to(torch.int32)
-    return src, torch.cumsum(pcounts, 0).to(torch.int32), counts
+    pcounts = ((counts + 15) // 16 * 16).clamp_min(16)
+    pends = torch.cumsum(pcounts, 0)
+    pstart = pends - pcounts
+    width = rows + 16 * e
+    row = torch.arange(rows, device=offsets.device)
+    seg = torch.searchsorted(offsets[1:].contiguous(), row.to(offsets.dtype), right=True)
+    src = torch.full((width,), -1, dtype=torch.int32, device=offsets.device)
+    src[pstart[seg] + row - offsets[:-1][seg]] = row.to(torch.int32)
+    pends[-1] = width
+    return src, pends.to(torch.int32)
 
 
-def _wgrad_grouped(dyt, xt, pends, counts, w_dq) -> torch.Tensor:
-    """dW[e] = dyt[:, seg_e] @ xt[:, seg_e]^T over 16-padded token segments -> [E, N, K]."""
-    if hasattr(torch, "_grouped_mm") and dyt.shape[1] > 0:
-        dw = torch._grouped_mm(dyt, xt.t(), offs=pends)
-        # an empty group's output is not guaranteed to be written: zero it explicitly
-        dw = torch.where((counts > 0)[:, None, None], dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
-    else:
-        dw = w_dq.new_zeros(w_dq.shape)
-        start = 0
-        for e, end in enumerate(pends.tolist()):
-            if end > start:
-                dw[e] = dyt[:, start:end] @ xt[:, start:end].T
-            start = end
-    return dw.to(w_dq.dtype)
+def _wgrad_grouped(dyt, xt, pends, w_dq) -> torch.Tensor:
+    """dW[e] = dyt[:, seg_e] @ xt[:, seg_e]^T over the padded token segments (none empty) -> [E, N, K]."""
+    if hasattr(torch, "_grouped_mm") and dyt.dtype == torch.bfloat16:
+        return torch._grouped_mm(dyt, xt.t(), offs=pends).to(w_dq.dtype)
+    dw = w_dq.new_zeros(w_dq.shape)
+    start = 0
+    for e, end in enumerate(pends.tolist()):
+        dw[e] = dyt[:, start:end] @ xt[:, start:end].T
+        start = end
+    return dw
 
 
 class _GroupedNVFP4Fn(torch.autograd.Function):
@@ -129,11 +133,11 @@ class _GroupedNVFP4Fn(torch.autograd.Function):
             with st.timed("gemm"):
                 dx = bf16_grouped_mm(dyq, w_dq, offsets[1:]).to(x.dtype)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
-            src, pends, counts = _padded_layout(offsets)
+            src, pends = _padded_layout(offsets, x.shape[0])
             dyt = Q.qdq_tokens(dy, st, r.backward_rounding, r.backward_rht, gather=src)
             xt = Q.qdq_tokens(x, st, "nearest", r.backward_rht, gather=src)
             with st.timed("gemm"):
-                dw = _wgrad_grouped(dyt, xt, pends, counts, w_dq)
+                dw = _wgrad_grouped(dyt, xt, pends, w_dq)
         return dx, dw, None, None, None
 
 
@@ -153,9 +157,9 @@ def minite_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     expert_ids = top_k_index.reshape(-1)
     ids_sorted, perm = torch.sort(expert_ids, stable=True)
     x = hidden_states[perm // top_k]
-    counts = torch.bincount(ids_sorted, minlength=self.num_experts)
-    offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x.device)
-    offsets[1:] = torch.cumsum(counts, 0)
+    # each expert's first sorted row, then S, found on the device (bincount would read its size back)
+    bounds = torch.arange(self.num_experts + 1, device=x.device, dtype=ids_sorted.dtype)
+    offsets = torch.searchsorted(ids_sorted, bounds).to(torch.int32)
     st = q.state
     h = _GroupedNVFP4Fn.apply(x, self.gate_up_proj, q.gate_up.get(self.gate_up_proj), offsets, st)
     h = self._apply_gate(h)

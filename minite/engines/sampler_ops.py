@@ -269,18 +269,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # ------------------------------------------------------------------------------------------------ sampling
 def sample_tokens(logits: torch.Tensor, temperature, top_p, uniform: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (fp32) -> token ids [B] with nothing read back to the host. ``temperature`` (> 0) and
-    ``top_p`` (None = 1) are numbers or 0-dim device tensors; ``uniform`` [B] in [0, 1) is each row's draw:
-    the token is where it falls in the cumulative distribution over the vocabulary (inverse CDF, one draw
-    per row, so a row's token depends on its own logits and draw only). top_p keeps the smallest set of most
-    likely tokens whose probability reaches top_p (the token that crosses it included; ties: lowest id)."""
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p is not None:
-        sp, si = probs.sort(dim=-1, descending=True, stable=True)
-        drop = (sp.cumsum(dim=-1) - sp) >= top_p  # mass before this token already reaches top_p
-        probs = torch.zeros_like(probs).scatter(-1, si, sp.masked_fill(drop, 0.0))
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    # strictly below the total, so the search lands on a token whose probability is not 0
-    x = torch.minimum(uniform[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    """logits [B, V] (fp32) -> token ids [B], inverse CDF at each row's draw ``uniform`` [B], nothing read
+    back to the host (``minite.kernels.sample_tokens``: a Triton kernel on CUDA without top_p, else the
+    PyTorch reference). ``temperature`` (> 0) and ``top_p`` (None = 1): numbers or 0-dim device tensors."""
+    return kernels.sample_tokens(logits, temperature, uniform, top_p)

@@ -233,7 +233,7 @@ class Trainer:
                 m.grad = None     # FSDP writes the first reduce-scattered gradient, then accumulates
             else:
                 m.grad = torch.zeros_like(m) if m.grad is None else m.grad.zero_()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no sync per slice
         for sl in chunks:
             sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v)
                    for k, v in batch.items()}
@@ -242,12 +242,13 @@ class Trainer:
             lp = self._token_logprobs(sub["input_ids"], sub["attention_mask"])
             loss = loss_fn(lp, sub) / n_tokens
             loss.backward()
-            total += float(loss.detach())
+            total += loss.detach().double()
             if not self.sharded:
                 for p, m in zip(self.params, self.master, strict=True):
                     if p.grad is not None:
                         m.grad.add_(p.grad)  # fp32 += bf16, promoted in place (no fp32 temporary)
                         p.grad = None
+        total = float(total)
         if self.sharded:
             total = float(D.all_reduce([total])[0])
         if cuda:

@@ -28,15 +28,15 @@ DISTRIBUTED = True      # runs under torchrun: one process per GPU
 # per model: (sequences per update, sequence length, layers (None = all), micro-batch size in sequences)
 DEFAULTS = {"tiny": (4, 64, None, None), "small": (16, 512, None, 8), "qwen3_30b_a3b": (16, 2048, 2, 2)}
 NOTES = {
-    "naive_te_nvfp4": "On Hopper the naive arm's FP4 GEMMs run as TE's structure emulated: separate quantize "
-                      "passes (weights re-quantized from BF16 every forward), dequantize, BF16 GEMM; TE "
-                      "itself would use FP4 tensor cores only on Blackwell. The 16x16 weight quantizer here is "
-                      "multi-pass PyTorch (TE's cast is one fused kernel), and with micro-batching te.Linear "
+    "naive_te_nvfp4": "On Hopper the naive arm's FP4 GEMMs run as TE's structure emulated: weights re-quantized "
+                      "from BF16 (16x16), activations and gradients quantized with per-tensor amax, each cast a "
+                      "fused minite.kernels pass that writes the dequantized BF16 values, then BF16 GEMMs; TE "
+                      "itself would use FP4 tensor cores only on Blackwell. With micro-batching te.Linear "
                       "without is_first_microbatch re-quantizes per micro-batch: --weight-cache per_update "
                       "gives the fairer bound (see weight_cache / weight_quantizations_per_update).",
     "minite_nvfp4": "Weights quantized once per update; forward W4A4 GEMMs through minite.kernels (Triton on "
-                    "Hopper: FP4 codes decoded in-register, no FP4 tensor cores); backward GEMMs on "
-                    "dequantized BF16 operands.",
+                    "Hopper: FP4 codes decoded in-register, no FP4 tensor cores); backward GEMMs on the BF16 "
+                    "values the fused gradient casts write (the same codes; exact products, cuBLAS order).",
     "bf16": "BF16 reference: HF modules, torch grouped_mm experts.",
 }
 NOTES["naive_te_nvfp4_tis"] = NOTES["naive_te_nvfp4_blanket"] = NOTES["naive_te_nvfp4"]   # the same learner
@@ -179,8 +179,8 @@ def run(args) -> int:
     out.update(provenance(device=device))
     if args.torch_profile:
         out["torch_profile"] = repo_relative(args.torch_profile)
-        write_profile(args.torch_profile, trainer, batch, cuda, {"arm": arm.name, "sha": out["sha"],
-                                                                  "device": out["device"]})
+        out["torch_profile_update"] = write_profile(args.torch_profile, trainer, batch, cuda,
+                                                    {"arm": arm.name, "sha": out["sha"], "device": out["device"]})
     if not D.is_main():
         return 0
     write_json(args.out, out)
@@ -197,19 +197,41 @@ def run(args) -> int:
 PROFILE_COLUMNS = ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms", "sha", "device"]
 
 
-def write_profile(path, trainer, batch, cuda: bool, meta: dict, top: int = 60) -> None:
+def busy_ms(intervals) -> float:
+    """Length of the union of (start, end) intervals (the time at least one of them runs), in their unit / 1e3."""
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total / 1e3
+
+
+def write_profile(path, trainer, batch, cuda: bool, meta: dict, top: int = 60) -> dict:
     """One learner update under torch.profiler -> CSV of the ``top`` ops by self device time (self CPU time on
-    CPU), plus every ``minite.*`` range (their device_ms = the GPU time of the kernels launched inside)."""
+    CPU), plus every ``minite.*`` range (their device_ms = the GPU time of the kernels launched inside).
+    Returns the profiled update's wall time and, on the GPU, the time the GPU was busy (the union of its
+    kernels' intervals, so overlapping kernels count once): their gap is time the GPU waited for the host."""
     import pandas as pd
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from minite.provenance import write_csv
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         trainer.update(batch)
         if cuda:
             torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    summary = {"wall_ms": wall_ms}
+    if cuda:
+        spans = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                 if ev.device_type == DeviceType.CUDA]
+        summary["gpu_busy_ms"] = busy_ms(spans)
+        summary["gpu_kernels"] = len(spans)
 
     def ms(ev, name):  # torch renamed cuda_* -> device_* (2.4); read whichever exists
         v = getattr(ev, name, None)
@@ -226,3 +248,4 @@ def write_profile(path, trainer, batch, cuda: bool, meta: dict, top: int = 60) -
     df = pd.concat([ranges, df.drop(ranges.index).sort_values(order, ascending=False).head(top)])
     if D.is_main():       # every rank ran the update (its collectives); rank 0's profile is written
         write_csv(path, df)
+    return summary

@@ -1,0 +1,68 @@
+"""Token sampling for the sampler's decode step, beside its PyTorch reference.
+
+    sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B] int64
+        logits [B, V] fp32; ``temperature`` (> 0) and ``top_p`` (None = 1) numbers or 0-dim device tensors;
+        ``uniform`` [B] in [0, 1): each row's one draw. The token is where the draw falls in the cumulative
+        distribution of softmax(logits / temperature) over the vocabulary (inverse CDF): a row's token depends
+        on its own logits and draw only, never on the batch, and nothing is read back to the host (CUDA-graph
+        safe). top_p keeps the smallest set of most likely tokens whose probability reaches top_p (the token
+        that crosses it included; ties: lowest id).
+
+Paths. ``sample_tokens_reference`` (PyTorch: softmax, cumsum over V, searchsorted) serves CPU tensors and
+every top_p < 1 call (it sorts). Plain sampling on CUDA runs ``_inverse_cdf_kernel``: one program per row,
+three streaming passes over the row's logits (max; the sum of exp(z - max) block by block; the same block
+sums again to find the block where the running sum crosses draw x total) and one look inside that block
+(a cumulative sum of its exps). No softmax tensor, no [B, V] cumulative sum: on a 151,936-id vocabulary
+the reference's scan alone costs ~0.25 ms per decode step at batch 64. The kernel sums in its own fixed
+order (blocks in order, a tree inside each), so its cumulative values can differ from the reference's in
+the last bits: where a draw lands within that rounding of a boundary the two may pick neighbouring tokens.
+Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
+kernel token against a float64 CDF.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _backend
+
+BLOCK = 4096      # logits per block: 37 blocks of a 151,936-id vocabulary, one 16 KB read per pass and block
+
+
+def sample_tokens_reference(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None) -> torch.Tensor:
+    """softmax -> (top_p filter) -> cumulative sum -> the first token whose cumulative probability exceeds
+    draw x total (strictly below the total, so the search lands on a token whose probability is not 0)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p is not None:
+        sp, si = probs.sort(dim=-1, descending=True, stable=True)
+        drop = (sp.cumsum(dim=-1) - sp) >= top_p  # mass before this token already reaches top_p
+        probs = torch.zeros_like(probs).scatter(-1, si, sp.masked_fill(drop, 0.0))
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(uniform[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None,
+                  backend: str | None = None) -> torch.Tensor:
+    """See the module docstring."""
+    if logits.dim() != 2 or uniform.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [B, V] and uniform [B]; got {tuple(logits.shape)}, {tuple(uniform.shape)}")
+    if top_p is not None or _backend.resolve(backend, logits.device) != "triton":
+        return sample_tokens_reference(logits, temperature, uniform, top_p)
+    return _triton_sample(logits, temperature, uniform)
+
+
+def _triton_sample(logits, temperature, uniform):
+    from ._triton_sampling import _inverse_cdf_kernel
+
+    b, v = logits.shape
+    x = logits.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    t = t.to(device=x.device, dtype=torch.float32).reshape(1)
+    u = uniform.to(torch.float32).contiguous()
+    out = torch.empty(b, dtype=torch.int64, device=x.device)
+    if b:
+        _inverse_cdf_kernel[(b,)](x, x.stride(0), t, u, out, v, BLOCK=BLOCK, num_warps=8)
+    return out

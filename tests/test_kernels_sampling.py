@@ -1,0 +1,89 @@
+"""sample_tokens: the Triton inverse-CDF kernel (the interpreter here, CUDA on a GPU) draws, for every row,
+the token whose float64 cumulative-probability interval holds draw x total; it equals the PyTorch reference
+wherever the draw is not within rounding of a boundary; top_p and CPU tensors take the reference."""
+import pytest
+import torch
+
+from minite.kernels import sampling as S
+
+
+def _f64_interval(logits, temperature, tok):
+    """(lower, upper) cumulative probability of ``tok`` in float64, per row."""
+    p = torch.softmax(logits.double() / float(temperature), dim=-1)
+    cdf = p.cumsum(-1)
+    hi = cdf.gather(-1, tok[:, None]).squeeze(-1)
+    return hi - p.gather(-1, tok[:, None]).squeeze(-1), hi
+
+
+def _check_valid(logits, temperature, u, tok, slack=1e-5):
+    lo, hi = _f64_interval(logits, temperature, tok)
+    ud = u.double()
+    assert bool(((lo - slack <= ud) & (ud <= hi + slack)).all()), (lo, ud, hi)
+    p = torch.softmax(logits.double() / float(temperature), dim=-1)
+    assert bool((p.gather(-1, tok[:, None]) > 0).all())
+
+
+def _case(b, v, seed, device="cpu", spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(b, v, generator=g) * spread).to(device)
+    u = torch.rand(b, generator=g).to(device)
+    return logits, u
+
+
+@pytest.mark.parametrize("b,v", [(5, 1000), (3, S.BLOCK * 2 + 17), (2, S.BLOCK)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kernel_draws_the_inverse_cdf_token(b, v, temperature):
+    logits, u = _case(b, v, seed=b + v)
+    tok = S.sample_tokens(logits, temperature, u, backend="triton")
+    assert tok.dtype == torch.int64 and tok.shape == (b,)
+    _check_valid(logits, temperature, u, tok)
+    ref = S.sample_tokens_reference(logits, temperature, u)
+    lo, hi = _f64_interval(logits, temperature, ref)
+    clear = ((u.double() - lo) > 1e-5) & ((hi - u.double()) > 1e-5)   # draws away from a boundary
+    assert torch.equal(tok[clear], ref[clear])
+
+
+def test_kernel_edges_first_and_last_tokens_and_zero_mass():
+    v = S.BLOCK + 100
+    logits = torch.full((4, v), -1e4)
+    logits[:, 0] = 0.0                      # all the mass on token 0 ...
+    logits[1, v - 1] = 0.0                  # ... and on the last token in row 1
+    logits[2] = 0.0                         # uniform row
+    u = torch.tensor([0.0, 0.9999999, 0.5, 0.9999999])
+    tok = S.sample_tokens(logits, torch.tensor(1.0), u, backend="triton")
+    assert tok.tolist()[0] == 0 and tok.tolist()[1] == v - 1 and tok.tolist()[3] == 0
+    assert abs(tok.tolist()[2] - v // 2) <= 1
+
+
+def test_kernel_rows_do_not_depend_on_the_batch():
+    logits, u = _case(6, 3000, seed=3)
+    full = S.sample_tokens(logits, 1.0, u, backend="triton")
+    for r in range(6):
+        assert S.sample_tokens(logits[r:r + 1], 1.0, u[r:r + 1], backend="triton").item() == full[r].item()
+
+
+def test_top_p_and_cpu_auto_take_the_reference():
+    logits, u = _case(4, 500, seed=9)
+    ref = S.sample_tokens_reference(logits, 1.0, u, top_p=0.5)
+    assert torch.equal(S.sample_tokens(logits, 1.0, u, top_p=0.5, backend="triton"), ref)
+    assert torch.equal(S.sample_tokens(logits, 1.0, u), S.sample_tokens_reference(logits, 1.0, u))
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        S.sample_tokens(logits, 1.0, u[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernel_draws_valid_tokens_on_a_real_vocabulary_and_replays_in_a_graph():
+    logits, u = _case(64, 151936, seed=11, device="cuda", spread=4.0)
+    t = torch.tensor(0.9, device="cuda")
+    tok = S.sample_tokens(logits, t, u)
+    _check_valid(logits.cpu(), 0.9, u.cpu(), tok.cpu(), slack=1e-4)
+    ref = S.sample_tokens_reference(logits, t, u)
+    assert (tok == ref).float().mean().item() > 0.95
+    out = torch.empty_like(tok)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(S.sample_tokens(logits, t, u))
+    u.copy_(torch.rand(64, device="cuda"))
+    graph.replay()
+    assert torch.equal(out, S.sample_tokens(logits, t, u))
