@@ -9,7 +9,8 @@ exact pure PyTorch on CPU.
     quantize_weight_groups(w, groups, tile=(16, 16)) -> codes, scales, S_dec [groups], BF16 values
         formula "te", one tensor amax per row group (experts x shards); amax pass + one cast pass.
     (quantize and quantize_dequantize take x as any strided view, plus width= / gather= for the wgrad
-    operands: tokens as the block dimension, zero-padded or gathered per expert, without copies.)
+    operands: tokens as the block dimension, zero-padded or gathered per expert, without copies; check=False
+    skips the host reads: the NaN/Inf check and the range check of gather.)
     dequantize(t, out_dtype=torch.float32, backend=None) -> [M, K]
         minite.nvfp4.dequantize(t).to(out_dtype), bit for bit, one Triton pass on the GPU.
     nvfp4_gemm(a, w, out_dtype=torch.bfloat16, bias=None, backend=None) -> [M, N]

@@ -270,7 +270,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
 
 
 def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, device=None,
-                    cuda_ok: bool = False) -> dict:
+                    cuda_ok: bool = False, k: int = 0) -> dict:
     """Few rows per expert (M <= GROUPED_CUDA_ROWS * E on average: decode) -> the CUDA decode kernel, which
     reads only the packed weights of the experts in use. Else pre-decoded experts -> f16 for every M (A decoded
     by a pass, then a plain fp16 grouped GEMM). Packed experts -> the byte decode loop, or, once M >= 64 rows
@@ -279,7 +279,7 @@ def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, dev
     if interpret:
         return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode")
     if cuda_ok and m <= GROUPED_CUDA_ROWS * e:
-        cfg = grouped_cuda_config(m, e)
+        cfg = grouped_cuda_config(m, e, k)
         if _grouped_proven(cfg, device):
             return cfg
     f16 = GROUPED_F16_CHUNKED if k_chunk() else GROUPED_F16_CONFIG
@@ -297,10 +297,15 @@ GROUPED_CUDA_ROWS = 32  # rows per expert (average) up to which the CUDA decode 
 _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then GROUPED_FALLBACK: same K order)
 
 
-def grouped_cuda_config(m: int, e: int) -> dict:
-    """Token tiles of 8 rows, 4 warps per CTA (the best grouped config of the H200 sweep of the v2 kernel at
-    1..64 tokens x top-8 over 128 experts, where most experts get 1..3 rows; 8 warps within 2%), an 8-step
-    ring. Under K chunks one lane per row group (the experts' tiles already fill the GPU)."""
+def grouped_cuda_config(m: int, e: int, k: int = 0) -> dict:
+    """Token tiles of 8 rows, an 8-step ring, 4 warps per CTA (the best grouped config of the H200 sweeps of
+    the v2 kernel at 1..64 tokens x top-8 over 128 experts, where most experts get 1..8 rows; 8 warps within
+    2%). Short K (<= 8 steps of 128: Qwen3-30B-A3B's down projection, K = 768): each tile is over before a
+    deep ring pays off, so 2 warps, a 4-step ring and up to 2112 CTAs, more tiles in flight at once (H200,
+    512 rows: 101 us instead of 116). Under K chunks one lane per row group (the tiles already fill the GPU)."""
+    from ._cuda_decode import STEP_K
+    if 0 < k <= 8 * STEP_K:
+        return dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
     return dict(variant="cuda", NT=1, W=4, D=8, SEG=0)
 
 
@@ -356,7 +361,7 @@ def _grouped_choice(a, ex: NVFP4Experts, config=None):
     dev = a.device
     mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
     cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, ex.codes, ex.scales)
-    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok)
+    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok, k)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)
     return cfg, mod, cuda_ok
@@ -391,7 +396,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
         except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton configs
             if config:
                 raise
-            cfg = _grouped_config(False, ex.f16 is not None, m, e, dev)
+            cfg = _grouped_config(False, ex.f16 is not None, m, e, dev, k=k)
             variant = cfg.get("variant", "decode")
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
@@ -421,7 +426,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
         if config or dev.type == "cpu":
             raise
-        _grouped_broken.add(tuple(sorted(_grouped_config(False, ex.f16 is not None, m, e, dev).items())))
+        _grouped_broken.add(tuple(sorted(_grouped_config(False, ex.f16 is not None, m, e, dev, k=k).items())))
         import warnings
         warnings.warn(f"minite.kernels: grouped config {cfg} unusable here ({type(exc).__name__}); using "
                       f"{GROUPED_FALLBACK}", RuntimeWarning, stacklevel=2)

@@ -99,7 +99,7 @@ def _padded_layout(offsets: torch.Tensor, rows: int):
     seg = torch.searchsorted(offsets[1:].contiguous(), row.to(offsets.dtype), right=True)
     src = torch.full((width,), -1, dtype=torch.int32, device=offsets.device)
     src[pstart[seg] + row - offsets[:-1][seg]] = row.to(torch.int32)
-    pends[-1] = width
+    pends = torch.cat([pends[:-1], pends.new_full((1,), width)])   # a device fill: no host-to-device copy
     return src, pends.to(torch.int32)
 
 
