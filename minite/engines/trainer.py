@@ -173,6 +173,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ compute
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Log-probs of tokens 1..T-1. ``attention_mask`` None = no padding: transformers then builds the plain
+        causal mask without reading the mask back to find that out (a host sync per forward)."""
         ctx = contextlib.nullcontext()
         if self.arm.trainer.gemm == "te":
             from minite.engines import te_backend
@@ -220,6 +222,7 @@ class Trainer:
         chunks = self._chunks(b)
         n_loss = int(batch["loss_mask"][:, 1:].sum())
         n_seen = int(batch["attention_mask"].sum())
+        padded = n_seen < batch["attention_mask"].numel()
         if self.sharded:   # this rank's rows; the loss is normalised by the loss tokens of every rank
             from minite.engines import fsdp
             n_loss, b_all, row0, n_seen = fsdp.batch_layout(b, n_loss, n_seen, len(chunks))
@@ -239,7 +242,7 @@ class Trainer:
                    for k, v in batch.items()}
             sub["_n_tokens"], sub["_n_sequences"] = n_tokens, b_all
             self._seed_rounding(row0 + sl.start)
-            lp = self._token_logprobs(sub["input_ids"], sub["attention_mask"])
+            lp = self._token_logprobs(sub["input_ids"], sub["attention_mask"] if padded else None)
             loss = loss_fn(lp, sub) / n_tokens
             loss.backward()
             total += loss.detach().double()
@@ -306,7 +309,8 @@ class Trainer:
             if self.sharded:
                 from minite.engines import fsdp
                 fsdp.check_chunks(len(chunks))
-            return torch.cat([self._token_logprobs(ids[sl], am[sl]) for sl in chunks])
+            padded = not bool(am.all())
+            return torch.cat([self._token_logprobs(ids[sl], am[sl] if padded else None) for sl in chunks])
         finally:
             self.model.train(was)
 
