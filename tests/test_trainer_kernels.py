@@ -35,13 +35,13 @@ def _linear_and_experts(trainer_recipe):
     with torch.no_grad():
         mod.gate_up_proj.normal_(0, 0.05)
         mod.down_proj.normal_(0, 0.05)
-    xe = torch.randn(40, 128).bfloat16().requires_grad_()
-    idx = torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    xe = torch.randn(39, 128).bfloat16().requires_grad_()             # 78 routed rows: not whole blocks of 16
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(39)])
     idx[idx == 5] = 6                                                # expert 5 gets no tokens
     idx[:, 1] = torch.where(idx[:, 1] == idx[:, 0], (idx[:, 0] + 1) % 5, idx[:, 1])
     mod.minite_quant = X.ExpertsQuant(Q.QuantState(trainer_recipe, False, seed=0))
-    o = mod(xe, idx, torch.softmax(torch.randn(40, 2), -1).bfloat16())
-    o.backward(torch.randn(40, 128).bfloat16())
+    o = mod(xe, idx, torch.softmax(torch.randn(39, 2), -1).bfloat16())
+    o.backward(torch.randn(39, 128).bfloat16())
     return out + [o.detach(), xe.grad, mod.gate_up_proj.grad, mod.down_proj.grad]
 
 
@@ -63,13 +63,13 @@ def test_trainer_through_the_kernels_is_bitwise_the_reference(arm, monkeypatch):
 
 def test_wgrad_layout_pads_segments_and_gives_empty_experts_zero_blocks():
     from minite.engines.experts import _padded_layout
-    offsets = torch.tensor([0, 3, 3, 20, 36], dtype=torch.int32)     # expert 1 empty, expert 3 a full 16
-    src, pends = _padded_layout(offsets, 36)
-    assert pends.tolist() == [16, 32, 64, 36 + 16 * 4]                 # the static width's slack joins the last
-    want = torch.full((36 + 64,), -1, dtype=torch.int32)
+    offsets = torch.tensor([0, 3, 3, 20, 35], dtype=torch.int32)     # expert 1 empty, 35 rows in all
+    src, pends = _padded_layout(offsets, 35)
+    assert pends.tolist() == [16, 32, 64, 48 + 16 * 4]                 # the static width's slack joins the last
+    want = torch.full((48 + 64,), -1, dtype=torch.int32)
     want[0:3] = torch.arange(0, 3)
     want[32:49] = torch.arange(3, 20)
-    want[64:80] = torch.arange(20, 36)
+    want[64:79] = torch.arange(20, 35)
     assert torch.equal(src, want)
 
 
@@ -107,9 +107,9 @@ def test_gpu_nvfp4_modules_forward_backward_never_wait_for_the_host(arm):
         mod.gate_up_proj.normal_(0, 0.05)
         mod.down_proj.normal_(0, 0.05)
     mod.minite_quant = X.ExpertsQuant(st)
-    x = torch.randn(300, 512, device=dev).bfloat16().requires_grad_()
-    idx = torch.randint(0, hc.num_experts, (300, hc.num_experts_per_tok), device=dev)
-    rw = torch.softmax(torch.randn(300, hc.num_experts_per_tok, device=dev), -1).bfloat16()
+    x = torch.randn(299, 512, device=dev).bfloat16().requires_grad_()   # 1,196 routed rows
+    idx = torch.randint(0, hc.num_experts, (299, hc.num_experts_per_tok), device=dev)
+    rw = torch.softmax(torch.randn(299, hc.num_experts_per_tok, device=dev), -1).bfloat16()
     # the first pass compiles the kernels and fills the weight caches (a weight's NaN check is a host read,
     # once per update); the second must not read anything back
     for sync_mode in ("default", "error"):

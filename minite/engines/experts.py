@@ -86,7 +86,7 @@ def _padded_layout(offsets: torch.Tensor, rows: int):
     """The wgrad operands' token layout, computed on the device (no host sync; ``rows`` = the sorted rows'
     count, known from the shapes): every expert's token segment zero-padded to a multiple of 16, an expert
     without tokens to one block of 16 zero tokens (so no group is empty: its dW is a product of zeros,
-    exactly 0), and the slack of the static width ``rows + 16 E`` appended to the last segment as zero tokens
+    exactly 0), and the slack of the static width ``ceil16(rows) + 16 E`` appended to the last segment as zero tokens
     (zero products leave its sums as they are). Returns, for each padded position, the source row (-1 = a
     zero token; the quantizer's ``gather``) and the padded segment ends (int32 [E], the last = the width)."""
     e = offsets.numel() - 1
@@ -94,7 +94,7 @@ def _padded_layout(offsets: torch.Tensor, rows: int):
     pcounts = ((counts + 15) // 16 * 16).clamp_min(16)
     pends = torch.cumsum(pcounts, 0)
     pstart = pends - pcounts
-    width = rows + 16 * e
+    width = (rows + 15) // 16 * 16 + 16 * e    # >= the padded total, a whole number of 16-token blocks
     row = torch.arange(rows, device=offsets.device)
     seg = torch.searchsorted(offsets[1:].contiguous(), row.to(offsets.dtype), right=True)
     src = torch.full((width,), -1, dtype=torch.int32, device=offsets.device)
