@@ -3,7 +3,6 @@ the token whose float64 cumulative-probability interval holds draw x total; it e
 wherever the draw is not within rounding of a boundary; top_p and CPU tensors take the reference."""
 import pytest
 import torch
-
 from minite.kernels import sampling as S
 
 
