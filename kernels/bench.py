@@ -137,19 +137,19 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
         n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set[provider])))
         if provider == "cublas_bf16":
             sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
-            return lambda i: (lambda s=sets[i]: torch.matmul(s[0], s[1].T))
+            return lambda i: (lambda s=sets[i % len(sets)]: torch.matmul(s[0], s[1].T))
         if provider == "fp8_scaled_mm":
             sets = list(zip(_copies(a8, n_rot), _copies(w8, n_rot)))
-            return lambda i: (lambda s=sets[i]: torch._scaled_mm(s[0], s[1].t(), scale_a=one, scale_b=one,
+            return lambda i: (lambda s=sets[i % len(sets)]: torch._scaled_mm(s[0], s[1].t(), scale_a=one, scale_b=one,
                                                                  out_dtype=torch.bfloat16))
         if provider == "ours_prepared" or (cfg and cfg.get("variant") in PREPARED_VARIANTS):
             n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set["ours_prepared"])))
             sets = list(zip(_copies(a, n_rot), _copies(pw, n_rot)))
-            return lambda i: (lambda s=sets[i]: nvfp4_gemm(s[0], s[1], config=cfg))
+            return lambda i: (lambda s=sets[i % len(sets)]: nvfp4_gemm(s[0], s[1], config=cfg))
         sets = list(zip(_copies(a, n_rot), _copies(w, n_rot)))
         if provider == "naive_emulation":
-            return lambda i: (lambda s=sets[i]: _naive_deq(s[0], table) @ _naive_deq(s[1], table).T)
-        return lambda i: (lambda s=sets[i]: nvfp4_gemm(s[0], s[1], config=cfg))
+            return lambda i: (lambda s=sets[i % len(sets)]: _naive_deq(s[0], table) @ _naive_deq(s[1], table).T)
+        return lambda i: (lambda s=sets[i % len(sets)]: nvfp4_gemm(s[0], s[1], config=cfg))
 
     providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"]
     cfgs = [(p, None) for p in providers]
@@ -228,11 +228,11 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
         n_rot = max(1, min(16, math.ceil(2 * L2_BYTES / per_set["ours_prepared" if prep else provider])))
         if provider == "grouped_mm_bf16":
             sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
-            return lambda i: (lambda s=sets[i]: torch._grouped_mm(s[0], s[1].transpose(-2, -1), offs=offs32))
+            return lambda i: (lambda s=sets[i % len(sets)]: torch._grouped_mm(s[0], s[1].transpose(-2, -1), offs=offs32))
         if cfg is not None and cfg["variant"] == "f16@call":
             cfg = dict(cfg, variant="f16")
         sets = list(zip(_copies(a, n_rot), _copies(wsp if prep else ws, n_rot)))
-        return lambda i: (lambda s=sets[i]: grouped_nvfp4_gemm(s[0], s[1], offs, config=cfg))
+        return lambda i: (lambda s=sets[i % len(sets)]: grouped_nvfp4_gemm(s[0], s[1], offs, config=cfg))
 
     cfgs = [(p, None) for p in ("grouped_mm_bf16", "ours", "ours_prepared")]
     if sweep and name == "moe_gate_up" and tokens == 16384:
@@ -264,7 +264,7 @@ def bench_quantize(timer, m, k, dev, rows, sha, devname):
         n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / nbytes)))
         xs = _copies(x, n_rot)
         try:
-            ms = timer(lambda i, fn=fn: (lambda t=xs[i]: fn(t)), nbytes)
+            ms = timer(lambda i, fn=fn: (lambda t=xs[i % len(xs)]: fn(t)), nbytes)
         except Exception as exc:
             print(f"  quantize {provider}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")

@@ -28,3 +28,17 @@ def test_ratios_are_speed_ratios():
     r = {what: gm for what, gm, *_ in report.ratios(pd.DataFrame(rows))}
     assert abs(r["ours vs cuBLAS bf16, M <= 16 (decode)"] - (3.0 * 6.0) ** 0.5) < 1e-9
     assert abs(r["ours vs cuBLAS bf16, M >= 4096"] - 0.5) < 1e-9
+
+
+def test_every_provider_takes_as_many_input_copies_as_the_timer_asks(tmp_path, monkeypatch, capsys):
+    """The GPU timer rotates over up to 64 input copies (working set > 2x L2) however many a provider made
+    (grouped ones make at most 16): copy i must always exist."""
+    from minite.kernels import bench
+
+    def rotating_timer(make, nbytes):
+        for i in (0, 15, 16, 63):
+            make(i)()
+        return float("nan")
+    monkeypatch.setattr(bench, "_dry_timer", rotating_timer)
+    assert main(["kernel-bench", "--dry-run", "--out", str(tmp_path / "k.csv")]) == 0
+    assert "FAILED" not in capsys.readouterr().out
