@@ -86,9 +86,10 @@ def _padded_layout(offsets: torch.Tensor, rows: int):
     """The wgrad operands' token layout, computed on the device (no host sync; ``rows`` = the sorted rows'
     count, known from the shapes): every expert's token segment zero-padded to a multiple of 16, an expert
     without tokens to one block of 16 zero tokens (so no group is empty: its dW is a product of zeros,
-    exactly 0), and the slack of the static width ``ceil16(rows) + 16 E`` appended to the last segment as zero tokens
-    (zero products leave its sums as they are). Returns, for each padded position, the source row (-1 = a
-    zero token; the quantizer's ``gather``) and the padded segment ends (int32 [E], the last = the width)."""
+    exactly 0), and the slack of the static width ``ceil16(rows) + 16 E`` appended to the last segment as
+    zero tokens (zero products leave its sums as they are). Returns, for each padded position, the source
+    row (-1 = a zero token; the quantizer's ``gather``) and the padded segment ends (int32 [E], the last =
+    the width)."""
     e = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
     pcounts = ((counts + 15) // 16 * 16).clamp_min(16)

@@ -198,7 +198,7 @@ PROFILE_COLUMNS = ["arm", "name", "calls", "self_device_ms", "device_ms", "self_
 
 
 def busy_ms(intervals) -> float:
-    """Length of the union of (start, end) intervals (the time at least one of them runs), in their unit / 1e3."""
+    """Length of the union of (start, end) intervals in microseconds (the time at least one runs), in ms."""
     total, end = 0.0, None
     for a, b in sorted(intervals):
         if end is None or a > end:
