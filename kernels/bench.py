@@ -16,6 +16,7 @@ plus the output) over its time.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import sys
@@ -99,6 +100,12 @@ def _copies(obj, n):
     return [obj] + [clone(obj) for _ in range(n - 1)]
 
 
+def on_copy(sets, fn):
+    """The timer's ``make``: i -> a zero-argument call of fn on input copy i. The timer picks how many copies
+    to rotate over (up to 64); a provider that made fewer wraps around them."""
+    return lambda i: functools.partial(fn, *sets[i % len(sets)])
+
+
 def _nbytes(*ts):
     tot = 0
     for t in ts:
@@ -137,19 +144,19 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
         n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set[provider])))
         if provider == "cublas_bf16":
             sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
-            return lambda i: (lambda s=sets[i % len(sets)]: torch.matmul(s[0], s[1].T))
+            return on_copy(sets, lambda x, w: torch.matmul(x, w.T))
         if provider == "fp8_scaled_mm":
             sets = list(zip(_copies(a8, n_rot), _copies(w8, n_rot)))
-            return lambda i: (lambda s=sets[i % len(sets)]: torch._scaled_mm(s[0], s[1].t(), scale_a=one, scale_b=one,
-                                                                 out_dtype=torch.bfloat16))
+            return on_copy(sets, lambda x, w: torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one,
+                                                               out_dtype=torch.bfloat16))
         if provider == "ours_prepared" or (cfg and cfg.get("variant") in PREPARED_VARIANTS):
             n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set["ours_prepared"])))
             sets = list(zip(_copies(a, n_rot), _copies(pw, n_rot)))
-            return lambda i: (lambda s=sets[i % len(sets)]: nvfp4_gemm(s[0], s[1], config=cfg))
+            return on_copy(sets, lambda x, w: nvfp4_gemm(x, w, config=cfg))
         sets = list(zip(_copies(a, n_rot), _copies(w, n_rot)))
         if provider == "naive_emulation":
-            return lambda i: (lambda s=sets[i % len(sets)]: _naive_deq(s[0], table) @ _naive_deq(s[1], table).T)
-        return lambda i: (lambda s=sets[i % len(sets)]: nvfp4_gemm(s[0], s[1], config=cfg))
+            return on_copy(sets, lambda x, w: _naive_deq(x, table) @ _naive_deq(w, table).T)
+        return on_copy(sets, lambda x, w: nvfp4_gemm(x, w, config=cfg))
 
     providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"]
     cfgs = [(p, None) for p in providers]
@@ -228,11 +235,11 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
         n_rot = max(1, min(16, math.ceil(2 * L2_BYTES / per_set["ours_prepared" if prep else provider])))
         if provider == "grouped_mm_bf16":
             sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
-            return lambda i: (lambda s=sets[i % len(sets)]: torch._grouped_mm(s[0], s[1].transpose(-2, -1), offs=offs32))
+            return on_copy(sets, lambda x, w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32))
         if cfg is not None and cfg["variant"] == "f16@call":
             cfg = dict(cfg, variant="f16")
         sets = list(zip(_copies(a, n_rot), _copies(wsp if prep else ws, n_rot)))
-        return lambda i: (lambda s=sets[i % len(sets)]: grouped_nvfp4_gemm(s[0], s[1], offs, config=cfg))
+        return on_copy(sets, lambda x, w: grouped_nvfp4_gemm(x, w, offs, config=cfg))
 
     cfgs = [(p, None) for p in ("grouped_mm_bf16", "ours", "ours_prepared")]
     if sweep and name == "moe_gate_up" and tokens == 16384:
@@ -264,7 +271,7 @@ def bench_quantize(timer, m, k, dev, rows, sha, devname):
         n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / nbytes)))
         xs = _copies(x, n_rot)
         try:
-            ms = timer(lambda i, fn=fn: (lambda t=xs[i % len(xs)]: fn(t)), nbytes)
+            ms = timer(on_copy([(x,) for x in xs], fn), nbytes)
         except Exception as exc:
             print(f"  quantize {provider}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
