@@ -443,3 +443,14 @@ def test_provenance_versions_and_relative_paths(tmp_path):
     assert p["gpu_driver"] is None and p["cuda"] is None                # a CPU run has neither
     assert repo_relative(REPO_ROOT / "results" / "cpu" / "x.json") == "results/cpu/x.json"
     assert repo_relative(tmp_path / "x.json") == str(tmp_path / "x.json")   # outside the repository: as given
+
+
+def test_throughput_figure_adds_the_rollout_panel_when_the_table_has_it(results):
+    learner = load.load_learner(results, ARMS)
+    rollout = {a: {"decode_tokens_per_s": 1000.0 * (i + 1), "roofline_frac": 0.1 * (i + 1),
+                   "step_ms": {"median": 2.0}, "sha": "abc", "device": "cpu"} for i, a in enumerate(ARMS)}
+    assert len(figures.throughput_bars(tables.throughput_table(learner)).axes) == 1
+    fig = figures.throughput_bars(tables.throughput_table(learner, rollout))
+    assert len(fig.axes) == 2 and fig.axes[1].get_title() == "Rollout (decode) throughput"
+    labels = [t.get_text() for t in fig.axes[1].texts]
+    assert any("of roofline" in t for t in labels) and any("1.00x BF16" in t for t in labels)

@@ -60,10 +60,14 @@ def footer_from(records) -> str | None:
 
 def throughput_bars(table: pd.DataFrame, out_stem=None, footer: str | None = None):
     """Learner tokens/s per arm (the throughput table): bars at the median, error bars over the per-step
-    interquartile range, each bar labelled with its ratio to BF16; a row the table flags is marked."""
+    interquartile range, each bar labelled with its ratio to BF16; a row the table flags is marked. When the
+    table has rollout columns (``bench-sampler``), a second panel: decode tokens/s per arm, each bar labelled
+    with its ratio to BF16 and the fraction of its bandwidth roofline it reached."""
     sns.set_theme(style="whitegrid", context="paper")
-    fig, ax = plt.subplots(figsize=(5, 3.4))
     arms = list(table["arm"])
+    rollout = table["rollout_tokens_per_s"].notna().any() if "rollout_tokens_per_s" in table else False
+    fig, axes = plt.subplots(1, 2 if rollout else 1, figsize=(10 if rollout else 5, 3.4), squeeze=False)
+    ax = axes[0][0]
     sns.barplot(data=table, x="arm", y="tokens_per_s", hue="arm", palette=palette(arms), legend=False,
                 ax=ax, order=arms)
     if {"tokens_per_s_q25", "tokens_per_s_q75"} <= set(table.columns):
@@ -84,7 +88,26 @@ def throughput_bars(table: pd.DataFrame, out_stem=None, footer: str | None = Non
     ax.set(xlabel="", ylabel="learner tokens / s (median; bars: interquartile range)",
            title=f"Learner throughput: {table['model'].iloc[0]}, {table['layers'].iloc[0]} layers")
     ax.margins(y=0.3)
+    if rollout:
+        _rollout_bars(axes[0][1], table.dropna(subset=["rollout_tokens_per_s"]))
+    fig.tight_layout()
     return save(fig, out_stem, footer or footer_from(table.to_dict("records")))
+
+
+def _rollout_bars(ax, table: pd.DataFrame) -> None:
+    arms = list(table["arm"])
+    sns.barplot(data=table, x="arm", y="rollout_tokens_per_s", hue="arm", palette=palette(arms), legend=False,
+                ax=ax, order=arms)
+    for i, r in enumerate(table.itertuples()):
+        label = f"{r.rollout_tokens_per_s:,.0f}"
+        if not math.isnan(r.rollout_ratio_vs_bf16):
+            label += f"\n{r.rollout_ratio_vs_bf16:.2f}x BF16"
+        label += f"\n{100 * r.rollout_roofline_frac:.0f}% of roofline"
+        ax.annotate(label, (i, r.rollout_tokens_per_s), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                    textcoords="offset points")
+    ax.set_xticks(range(len(arms)), [ARM_LABELS.get(a, a) for a in arms])
+    ax.set(xlabel="", ylabel="decode tokens / s (median decode step)", title="Rollout (decode) throughput")
+    ax.margins(y=0.35)
 
 
 def step_split(learner: dict[str, dict], out_stem=None, footer: str | None = None):

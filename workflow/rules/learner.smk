@@ -72,6 +72,7 @@ rule throughput_table_files:
 rule figure_throughput:
     input:
         per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+        ROLLOUT,
     output:
         png=report(f"{FIGS}/throughput.png", caption="../report/throughput.rst", category="Throughput"),
         pdf=f"{FIGS}/throughput.pdf",
