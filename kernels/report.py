@@ -52,43 +52,35 @@ def _config_column(d: pd.DataFrame, index: list[str]) -> pd.Series | None:
     return ours[~ours.index.duplicated()]
 
 
-def decode_table(df: pd.DataFrame) -> str:
-    """Dense M <= 64: microseconds, GB/s of the bytes each provider must move, speed vs cuBLAS bf16, and the
-    kernel config ours ran."""
-    d = df[(df.kernel == "gemm") & (df.M <= 64) & df.provider.isin(["cublas_bf16", "ours", "ours_prepared"])]
+def _speed_table(d: pd.DataFrame, baseline: str, label: str) -> str:
+    """Per (shape, M): microseconds and GB/s of the baseline and of ours (packed, prepared), ours' speed vs
+    the baseline, and the kernel config ours ran."""
     if not len(d):
         return ""
     t = d.pivot_table(index=["shape", "M"], columns="provider", values=["median_ms", "gbps"])
     out = pd.DataFrame(index=t.index)
-    for p in ("cublas_bf16", "ours", "ours_prepared"):
+    for p in (baseline, "ours", "ours_prepared"):
         if ("median_ms", p) in t:
             out[f"{p} us"] = (t["median_ms", p] * 1e3).round(2)
             out[f"{p} GB/s"] = t["gbps", p].round(0)
-    if "cublas_bf16 us" in out and "ours us" in out:
-        out["ours speed vs cuBLAS"] = (out["cublas_bf16 us"] / out["ours us"]).round(2)
+    if f"{baseline} us" in out and "ours us" in out:
+        out[f"ours speed vs {label}"] = (out[f"{baseline} us"] / out["ours us"]).round(2)
     config = _config_column(d, ["shape", "M"])
     if config is not None:
         out["ours config"] = config.reindex(out.index)
     return out.to_markdown()
 
 
+def decode_table(df: pd.DataFrame) -> str:
+    """Dense M <= 64 against cuBLAS bf16 (``_speed_table``)."""
+    d = df[(df.kernel == "gemm") & (df.M <= 64) & df.provider.isin(["cublas_bf16", "ours", "ours_prepared"])]
+    return _speed_table(d, "cublas_bf16", "cuBLAS")
+
+
 def grouped_decode_table(df: pd.DataFrame) -> str:
+    """Grouped GEMMs of <= 64 tokens against torch._grouped_mm bf16 (``_speed_table``)."""
     g = df[df.kernel == "grouped_gemm"]
-    g = g[g["shape"].map(_tokens) <= 64]
-    if not len(g):
-        return ""
-    t = g.pivot_table(index=["shape", "M"], columns="provider", values=["median_ms", "gbps"])
-    out = pd.DataFrame(index=t.index)
-    for p in ("grouped_mm_bf16", "ours", "ours_prepared"):
-        if ("median_ms", p) in t:
-            out[f"{p} us"] = (t["median_ms", p] * 1e3).round(2)
-            out[f"{p} GB/s"] = t["gbps", p].round(0)
-    if "grouped_mm_bf16 us" in out and "ours us" in out:
-        out["ours speed vs grouped_mm"] = (out["grouped_mm_bf16 us"] / out["ours us"]).round(2)
-    config = _config_column(g, ["shape", "M"])
-    if config is not None:
-        out["ours config"] = config.reindex(out.index)
-    return out.to_markdown()
+    return _speed_table(g[g["shape"].map(_tokens) <= 64], "grouped_mm_bf16", "grouped_mm")
 
 
 def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: str,
