@@ -14,11 +14,6 @@ def _q(m, k, seed, scaling="row"):
     return ref.quantize(checks.spread_input(m, k, "cpu", seed=seed), scaling=scaling)
 
 
-def _rows(t, lo, hi):
-    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[lo:hi]
-    return ref.NVFP4Tensor(t.codes[lo:hi], t.scales[lo:hi], g)
-
-
 @pytest.mark.parametrize("row0,step", [(0, 0), (16, 1)])
 def test_weight_fragments_are_the_triton_k_order(row0, step):
     """Each lane's A fragments (rows g, g + 8; positions 2t.., 2t+8.. of eight k16 pieces), placed by the PTX
@@ -51,7 +46,7 @@ def test_twin_gemm_matches_reference():
 def test_supports_whole_steps_and_aligned_operands():
     w, a = _q(64, 256, seed=1), _q(9, 256, seed=2)
     assert _cuda_decode.supports(256, 64, a, w.codes, w.scales)
-    assert _cuda_decode.supports(256, 64, _rows(a, 3, 9), w.codes, w.scales)  # row slices: still packed rows
+    assert _cuda_decode.supports(256, 64, a.rows(3, 9), w.codes, w.scales)  # row slices: still packed rows
     assert not _cuda_decode.supports(1088, 64, a, w.codes, w.scales)  # K tail: the Triton kernels take it
     assert not _cuda_decode.supports(256, 40, a, w.codes, w.scales)   # N not whole 16-row warps
     odd = ref.NVFP4Tensor(a.codes[:, :64], a.scales[:, :8], a.global_scale)  # a column slice: rows not packed
@@ -201,11 +196,11 @@ def test_gpu_decode_configs_bit_equal_to_triton(cfg):
     w = quantize((torch.randn(1536, 2048, generator=g) * 0.05).to(dev))
     bias = torch.randn(1536, generator=g).to(dev)
     for m in (1, 2, 5, 8, 16, 33, 64):
-        sub = _rows(a, 0, m)
+        sub = a.rows(0, m)
         got = nvfp4_gemm(sub, w, out_dtype=torch.float32, config=cfg)
         assert torch.equal(got, nvfp4_gemm(sub, w, out_dtype=torch.float32, config=G.SAFE_CONFIG)), m
         assert checks.rel_err(got, ref.nvfp4_matmul_reference(sub, w)) < 1e-5
-        sub = _rows(a_mod, 0, m)
+        sub = a_mod.rows(0, m)
         for dt in (torch.bfloat16, torch.float16):
             assert torch.equal(nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=cfg),
                                nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=G.SAFE_CONFIG)), (m, dt)
@@ -221,7 +216,7 @@ def test_gpu_decode_default_is_the_cuda_kernel_and_batch_invariant():
     w = quantize(torch.randn(1024, 2048, device=dev))
     full = nvfp4_gemm(a, w, out_dtype=torch.float32)
     for m in (1, 2, 4, 8, 16, 32, 64):
-        assert torch.equal(nvfp4_gemm(_rows(a, 100, 100 + m), w, out_dtype=torch.float32), full[100:100 + m]), m
+        assert torch.equal(nvfp4_gemm(a.rows(100, 100 + m), w, out_dtype=torch.float32), full[100:100 + m]), m
     assert G.config_status().get(G.config_name(G.cuda_config(1))) is True
 
 
@@ -246,7 +241,7 @@ def test_gpu_grouped_decode_bit_equal(tokens):
     o = offs.tolist()
     for i in range(128):
         if o[i + 1] > o[i]:
-            r = ref.nvfp4_matmul_reference(_rows(a, o[i], o[i + 1]), ws[i])
+            r = ref.nvfp4_matmul_reference(a.rows(o[i], o[i + 1]), ws[i])
             assert checks.rel_err(want[o[i]:o[i + 1]], r) < 1e-5
 
 

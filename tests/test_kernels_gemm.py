@@ -22,11 +22,6 @@ def _q(m, k, scaling="row", scale=1.0, seed=0):
     return ref.quantize(torch.randn(m, k, generator=g) * scale, scaling=scaling)
 
 
-def _rows(t, lo, hi):
-    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[lo:hi]
-    return ref.NVFP4Tensor(t.codes[lo:hi], t.scales[lo:hi], g)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("m,n,k,sa,sw", [(7, 40, 272, "row", "tensor"), (33, 17, 128, "tensor", "row"),
                                          (1, 64, 1040, "row", "row")])
@@ -58,7 +53,7 @@ def test_batch_invariance_and_determinism(backend):
     full = nvfp4_gemm(a, w, out_dtype=torch.float32, backend=backend)
     assert torch.equal(full, nvfp4_gemm(a, w, out_dtype=torch.float32, backend=backend))
     for lo, hi in ((0, 1), (69, 70), (3, 36), (0, 64)):
-        part = nvfp4_gemm(_rows(a, lo, hi), w, out_dtype=torch.float32, backend=backend)
+        part = nvfp4_gemm(a.rows(lo, hi), w, out_dtype=torch.float32, backend=backend)
         assert torch.equal(part, full[lo:hi]), (lo, hi)
 
 
@@ -75,13 +70,13 @@ def test_grouped_ragged_with_empty_groups(backend):
     for i in range(e):
         lo, hi = int(offs[i]), int(offs[i + 1])
         if hi > lo:
-            r = ref.nvfp4_matmul_reference(_rows(a, lo, hi), ws[i])
+            r = ref.nvfp4_matmul_reference(a.rows(lo, hi), ws[i])
             assert checks.rel_err(out[lo:hi], r) < 1e-5
     # scalar expert global scales ([E]) too, and the bf16 default output
     ws2 = [_q(n, k, "tensor", seed=20 + i) for i in range(e)]
     o2 = grouped_nvfp4_gemm(a, ws2, offs, backend=backend)
     assert o2.dtype == torch.bfloat16
-    r = ref.nvfp4_matmul_reference(_rows(a, 5, 40), ws2[2])
+    r = ref.nvfp4_matmul_reference(a.rows(5, 40), ws2[2])
     assert checks.rel_err(o2[5:40], r) < 1e-2
 
 
@@ -172,8 +167,8 @@ def test_experts_container():
     assert torch.equal(mixed.global_scale[1], row.global_scale)
     a = _q(5, 32, "row", seed=7)
     out = grouped_nvfp4_gemm(a, [ws[0], row], torch.tensor([0, 2, 5]), out_dtype=torch.float32)
-    want = torch.cat([ref.nvfp4_matmul_reference(_rows(a, 0, 2), ws[0]),
-                      ref.nvfp4_matmul_reference(_rows(a, 2, 5), row)])
+    want = torch.cat([ref.nvfp4_matmul_reference(a.rows(0, 2), ws[0]),
+                      ref.nvfp4_matmul_reference(a.rows(2, 5), row)])
     assert torch.allclose(out, want, rtol=1e-5, atol=0)
 
 
@@ -235,7 +230,7 @@ def test_word_variants_bit_equal_interpreter(variant, bm, bn, k):
     assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
     pw = prepare_weight(w, backend="triton")
     assert torch.equal(nvfp4_gemm(a, pw, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
-    one = nvfp4_gemm(_rows(a, 5, 6), w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg)
+    one = nvfp4_gemm(a.rows(5, 6), w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg)
     assert torch.equal(one, base[5:6])
 
 
@@ -259,7 +254,7 @@ def test_grouped_variants_bit_equal_interpreter(variant, k):
     for i in range(4):
         lo, hi = int(offs[i]), int(offs[i + 1])
         if hi > lo:
-            r = ref.nvfp4_matmul_reference(_rows(a2, lo, hi), ws[i])
+            r = ref.nvfp4_matmul_reference(a2.rows(lo, hi), ws[i])
             assert checks.rel_err(g0[lo:hi], r) < 1e-5
 
 

@@ -24,11 +24,6 @@ def _cols(t, k0, k1):
                            t.global_scale)
 
 
-def _rows(t, lo, hi):
-    g = t.global_scale if t.global_scale.dim() == 0 else t.global_scale[lo:hi]
-    return ref.NVFP4Tensor(t.codes[lo:hi], t.scales[lo:hi], g)
-
-
 @pytest.fixture
 def chunk():
     """Run a test under K chunks of 256, then restore the switch."""
@@ -85,7 +80,7 @@ def test_every_variant_follows_the_chunks_bit_for_bit(chunk, variant, bm, bn):
     assert torch.equal(nvfp4_gemm(a, w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
     pw = prepare_weight(w, backend="triton")
     assert torch.equal(nvfp4_gemm(a, pw, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg), base)
-    one = nvfp4_gemm(_rows(a, 5, 6), w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg)
+    one = nvfp4_gemm(a.rows(5, 6), w, out_dtype=torch.float32, bias=bias, backend="triton", config=cfg)
     assert torch.equal(one, base[5:6])
 
 
@@ -103,7 +98,7 @@ def test_grouped_variants_follow_the_chunks(chunk, variant):
     for i in range(4):
         lo, hi = int(offs[i]), int(offs[i + 1])
         if hi > lo:
-            dense = nvfp4_gemm(_rows(a, lo, hi), ws[i], out_dtype=torch.float32, backend="triton")
+            dense = nvfp4_gemm(a.rows(lo, hi), ws[i], out_dtype=torch.float32, backend="triton")
             assert torch.equal(got[lo:hi], dense), i
 
 
@@ -156,7 +151,7 @@ def test_gpu_chunked_cuda_bit_equal_to_triton(cfg):
         w = quantize((torch.randn(1536, 2176, generator=g) * 0.05).to(dev))
         bias = torch.randn(1536, generator=g).to(dev)
         for m in (1, 2, 5, 8, 16, 33, 64):
-            sub = _rows(a, 0, m)
+            sub = a.rows(0, m)
             got = nvfp4_gemm(sub, w, out_dtype=torch.float32, config=cfg)
             assert torch.equal(got, nvfp4_gemm(sub, w, out_dtype=torch.float32, config=G.SAFE_CONFIG)), m
             for dt in (torch.bfloat16, torch.float16):
@@ -189,7 +184,7 @@ def test_gpu_chunked_default_is_batch_invariant():
         w = quantize(torch.randn(1024, 2048, device=dev))
         full = nvfp4_gemm(a, w, out_dtype=torch.float32)
         for m in (1, 2, 4, 8, 16, 32, 64):
-            assert torch.equal(nvfp4_gemm(_rows(a, 100, 100 + m), w, out_dtype=torch.float32), full[100:100 + m]), m
+            assert torch.equal(nvfp4_gemm(a.rows(100, 100 + m), w, out_dtype=torch.float32), full[100:100 + m]), m
         assert G.config_status().get(G.config_name(G.cuda_config(1)) + " kc512") is True
         offs = moe_offsets(8, 128, 8, dev, align=1)
         x = quantize(torch.randn(int(offs[-1]), 768, device=dev), scaling="row")
