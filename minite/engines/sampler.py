@@ -37,6 +37,7 @@ from minite.engines.arms import Arm
 from minite.engines.attention import invariant_attention
 from minite.engines.decode_graphs import DecodeRunner, DecodeState
 from minite.engines.sampler_weights import build_sampler_weights
+from minite.kernels import fused_ops
 from minite.tokenizer import EOS, PAD, CharTokenizer
 
 #: decode steps between host checks for finished sequences (each check reads a few flags back)
@@ -172,21 +173,17 @@ class Sampler:
         prefill from position 0."""
         b, t, _ = x.shape
         qkv = ops.linear(x, lw.qkv, self.recipe, calib, valid)
-        nq, nkv = self.n_q * self.head_dim, self.n_kv * self.head_dim
-        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-        mode = self.recipe.non_gemm
-        q = ops.rms_norm(q.reshape(b, t, self.n_q, self.head_dim), lw.q_norm, self.eps, mode).transpose(1, 2)
-        k = ops.rms_norm(k.reshape(b, t, self.n_kv, self.head_dim), lw.k_norm, self.eps, mode).transpose(1, 2)
-        v = v.reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q, k, tables=rope)
+        nq = self.n_q * self.head_dim
         kc, vc = self._cache[0][li], self._cache[1][li]            # [slots, kv, S, D]
-        kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, kv, D] at (slot, position)
-        vc[slots[:, None], :, pos] = v.transpose(1, 2).to(vc.dtype)
+        # q_norm / k_norm, rotary, and the keys and values into the cache at (slot, position), fused
+        q, k = fused_ops.qk_norm_rope(qkv, self.n_q, self.n_kv, lw.q_norm, lw.k_norm, self.eps, *rope,
+                                      self.recipe.non_gemm, cache=(kc, vc, slots, pos))
         invariant = self.recipe.attention == "invariant"
         if decode is not None:
             o = ops.decode_attention(q[:, :, 0], kc, vc, *decode, self.scaling,
                                      "invariant" if invariant else "fast")
         else:  # the prompt's own keys are all the keys (cache dtype: BF16, as computed)
+            v = qkv[..., nq + self.n_kv * self.head_dim:].reshape(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             keep = torch.arange(t, device=self.device)[None, None, None, :] <= pos[:, None, :, None]
             if invariant:
                 o = invariant_attention(q, k, v, self.scaling, keep=keep)

@@ -29,49 +29,31 @@ from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe
 from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_activation
 from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
+from minite.kernels import fused_ops
 
 NON_GEMM = ("hf", "vllm")
 ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa arms) | float64 (aligned)
 
 
 # ------------------------------------------------------------------------------------------- norms / act
+# Each op is ``minite.kernels.fused_ops``: fused Triton passes on CUDA, bit for bit the op-by-op reference
+# (which is what runs on CPU); reductions stay torch's own kernels.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str) -> torch.Tensor:
-    if mode == "hf":  # Qwen3MoeRMSNorm.forward, op for op
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        var = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(var + eps)
-        return weight * h.to(dtype)
-    h = x.to(torch.float32)
-    var = h.pow(2).mean(-1, keepdim=True)
-    return (h * torch.rsqrt(var + eps) * weight.to(torch.float32)).to(x.dtype)
+    return fused_ops.rms_norm(x, weight, eps, mode)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
     """(norm(residual + x), residual + x). "hf": BF16 add, then the norm of the rounded sum (transformers'
-    decoder layer); "vllm": the sum stays fp32 inside the fused kernel, only the stored residual is rounded."""
-    if mode == "hf":
-        r = residual + x
-        return rms_norm(r, weight, eps, "hf"), r
-    s = x.to(torch.float32) + residual.to(torch.float32)
-    var = s.pow(2).mean(-1, keepdim=True)
-    out = (s * torch.rsqrt(var + eps) * weight.to(torch.float32)).to(x.dtype)
-    return out, s.to(x.dtype)
+    decoder layer); "vllm": the sum stays fp32 inside the fused op, only the stored residual is rounded."""
+    return fused_ops.rms_norm(x, weight, eps, mode, residual=residual)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str) -> torch.Tensor:
-    if mode == "hf":
-        return F.silu(gate) * up
-    return (F.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return fused_ops.silu_mul(gate, up, mode)
 
 
 class Rotary:
-    """Rotary embedding for q/k [B, H, T, D] at positions [B, T]."""
+    """Rotary tables for positions [B, T] (applied by ``fused_ops.qk_norm_rope`` with the q/k norms)."""
 
     def __init__(self, hf_config, mode: str, max_positions: int, device):
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
@@ -91,18 +73,6 @@ class Rotary:
         if self.mode == "hf":
             return self.hf(torch.empty(0, dtype=dtype, device=positions.device), positions)
         return self.cos[positions][:, None], self.sin[positions][:, None]
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, tables=None):
-        cos, sin = tables if tables is not None else self.tables(positions, q.dtype)
-        if self.mode == "hf":
-            from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
-
-            return apply_rotary_pos_emb(q, k, cos, sin)
-
-        def rot(x):
-            x32 = x.to(torch.float32)
-            return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
-        return rot(q), rot(k)
 
 
 # ------------------------------------------------------------------------------------------------ linears
@@ -244,11 +214,8 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
     y = grouped_linear(h, stacked.get("down", experts.down), offsets, recipe, experts.down_amax,
                        f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
                        experts.act_scale.get("down"))
-    out = torch.empty_like(y).index_copy_(0, perm, y)  # back to (token, k) order
-    out = out.view(t, k, -1)
-    if recipe.non_gemm == "hf":  # transformers' grouped_mm experts: BF16 product, k-sum with one rounding
-        return (out * weights.reshape(t, k, 1)).sum(dim=1).to(x.dtype)
-    return (out.to(torch.float32) * weights.reshape(t, k, 1)).sum(dim=1).to(x.dtype)
+    # back to (token, k) order, weighted and summed over k (transformers' grouped_mm experts for "hf")
+    return fused_ops.combine_experts(y, perm, weights, recipe.non_gemm).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ attention

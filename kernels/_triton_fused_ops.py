@@ -1,0 +1,193 @@
+"""Triton kernels of the fused non-GEMM ops (contract, launches and references in ``fused_ops``).
+
+The reference's arithmetic, op for op: fp32 operations in its order, a round-to-nearest-even cast to the
+activations' dtype (``round_to``) wherever it rounds, IEEE division, and CUDA's own expf / rsqrtf (libdevice,
+the code torch's kernels compile to). Launched with FMA contraction off. Under the interpreter (CPU tests)
+the math functions are numpy's, which is what the CPU reference computes too.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._backend import interpreter_on
+from ._triton_round import round_to
+
+if interpreter_on():
+    @triton.jit
+    def _expf(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def _rsqrtf(x):
+        return tl.math.rsqrt(x)
+
+    @triton.jit
+    def _div(a, b):
+        return a / b
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _expf(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _rsqrtf(x):
+        return libdevice.rsqrt(x)
+
+    @triton.jit
+    def _div(a, b):
+        return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.constexpr, HF: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Row r: the value the norm normalises (x, or residual + x: rounded to x's dtype for "hf", fp32 for
+    "vllm", stored in ``summed``) and its square in fp32 (``sq``), for torch's mean to reduce."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    xv = tl.load(x + r * x_stride + cols, mask=m, other=0.0)
+    if HAS_RES:
+        rv = tl.load(res + r * res_stride + cols, mask=m, other=0.0)
+        s = rv.to(tl.float32) + xv.to(tl.float32)
+        if HF:
+            s = round_to(s, xv.dtype)
+        tl.store(summed + r * N + cols, s, mask=m)
+        h = s.to(tl.float32)
+    else:
+        h = xv.to(tl.float32)
+    tl.store(sq + r * N + cols, h * h, mask=m)
+
+
+@triton.jit
+def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.constexpr, WRITE_RES: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """y = the norm of row r of ``src`` given its mean square ``var[r]``: "hf" w * (h * rsqrt(var + eps)
+    rounded), rounded; "vllm" (h * rsqrt(var + eps)) * w in fp32, rounded once (and the rounded residual)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    sv = tl.load(src + r * src_stride + cols, mask=m, other=0.0)
+    wv = tl.load(w + cols, mask=m, other=0.0)
+    h = sv.to(tl.float32)
+    inv = _rsqrtf(tl.load(var + r) + eps)
+    if HF:
+        out = round_to(wv.to(tl.float32) * round_to(h * inv, wv.dtype).to(tl.float32), wv.dtype)
+    else:
+        out = round_to((h * inv) * wv.to(tl.float32), wv.dtype)
+        if WRITE_RES:
+            tl.store(res_out + r * N + cols, round_to(h, wv.dtype), mask=m)
+    tl.store(y + r * N + cols, out, mask=m)
+
+
+@triton.jit
+def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr):
+    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    cols = tl.arange(0, D)
+    x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
+    if h < NQ:
+        tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
+    else:
+        tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
+
+
+@triton.jit
+def _norm_half(x, inv, w, HF: tl.constexpr):
+    """One half row of a head's RMSNorm output, in the activations' dtype."""
+    h = x.to(tl.float32)
+    if HF:
+        return round_to(w.to(tl.float32) * round_to(h * inv, w.dtype).to(tl.float32), w.dtype)
+    return round_to((h * inv) * w.to(tl.float32), w.dtype)
+
+
+@triton.jit
+def _qk_tail_kernel(qkv, row_stride, q_var, k_var, qw, kw, cos, sin, cs_b, cs_t, q_out, k_out, k_cache, v_cache,
+                    slots, pos, pos_b, pos_t, kc_s, kc_h, kc_p, T, NQ, NKV, eps, D: tl.constexpr,
+                    HALF: tl.constexpr, HF: tl.constexpr, CACHE: tl.constexpr):
+    """Program (token i, head h): the head's RMSNorm (q_norm / k_norm), then rotary at the token's position;
+    key heads also go, with the token's value head, into the KV cache at (slot, position)."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    lo = tl.arange(0, HALF)
+    base = qkv + i * row_stride + h * D
+    x_lo = tl.load(base + lo)
+    x_hi = tl.load(base + HALF + lo)
+    is_q = h < NQ
+    if is_q:
+        inv = _rsqrtf(tl.load(q_var + i * NQ + h) + eps)
+        w_lo = tl.load(qw + lo)
+        w_hi = tl.load(qw + HALF + lo)
+    else:
+        inv = _rsqrtf(tl.load(k_var + i * NKV + (h - NQ)) + eps)
+        w_lo = tl.load(kw + lo)
+        w_hi = tl.load(kw + HALF + lo)
+    n_lo = _norm_half(x_lo, inv, w_lo, HF)
+    n_hi = _norm_half(x_hi, inv, w_hi, HF)
+    b = i // T
+    t = i - b * T
+    cb = cos + b * cs_b + t * cs_t
+    sb = sin + b * cs_b + t * cs_t
+    c_lo = tl.load(cb + lo)
+    c_hi = tl.load(cb + HALF + lo)
+    s_lo = tl.load(sb + lo)
+    s_hi = tl.load(sb + HALF + lo)
+    a_lo = n_lo.to(tl.float32)
+    a_hi = n_hi.to(tl.float32)
+    if HF:  # (x * cos) + (rotate_half(x) * sin), every product and the sum rounded
+        dt = n_lo.dtype
+        o_lo = round_to(round_to(a_lo * c_lo.to(tl.float32), dt).to(tl.float32)
+                        + round_to((-a_hi) * s_lo.to(tl.float32), dt).to(tl.float32), dt)
+        o_hi = round_to(round_to(a_hi * c_hi.to(tl.float32), dt).to(tl.float32)
+                        + round_to(a_lo * s_hi.to(tl.float32), dt).to(tl.float32), dt)
+    else:  # fp32 x * cos + rotate_half(x) * sin, one cast
+        o_lo = round_to(a_lo * c_lo + (-a_hi) * s_lo, n_lo.dtype)
+        o_hi = round_to(a_hi * c_hi + a_lo * s_hi, n_lo.dtype)
+    if is_q:
+        ob = q_out + (i * NQ + h) * D
+        tl.store(ob + lo, o_lo)
+        tl.store(ob + HALF + lo, o_hi)
+    else:
+        hk = h - NQ
+        ob = k_out + (i * NKV + hk) * D
+        tl.store(ob + lo, o_lo)
+        tl.store(ob + HALF + lo, o_hi)
+        if CACHE:
+            p = tl.load(pos + b * pos_b + t * pos_t)
+            dst = tl.load(slots + b) * kc_s + hk * kc_h + p * kc_p
+            tl.store(k_cache + dst + lo, o_lo)
+            tl.store(k_cache + dst + HALF + lo, o_hi)
+            vb = qkv + i * row_stride + (NQ + NKV + hk) * D
+            tl.store(v_cache + dst + lo, tl.load(vb + lo))
+            tl.store(v_cache + dst + HALF + lo, tl.load(vb + HALF + lo))
+
+
+@triton.jit
+def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLOCK: tl.constexpr):
+    """SiLU(g) = g / (1 + exp(-g)) in fp32 (torch's formula); "hf" rounds it before the product."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    gv = tl.load(gate + r * g_stride + cols, mask=m, other=0.0)
+    uv = tl.load(up + r * u_stride + cols, mask=m, other=0.0)
+    g = gv.to(tl.float32)
+    s = _div(g, 1.0 + _expf(-g))
+    if HF:
+        s = round_to(s, gv.dtype).to(tl.float32)
+    tl.store(out + r * N + cols, round_to(s * uv.to(tl.float32), gv.dtype), mask=m)
+
+
+@triton.jit
+def _weighted_scatter_kernel(y, y_stride, perm, weights, prod, N, BLOCK: tl.constexpr):
+    """prod[perm[r]] = y[r] * weights.flat[perm[r]], rounded once to prod's dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    d = tl.load(perm + r)
+    wv = tl.load(weights + d).to(tl.float32)
+    yv = tl.load(y + r * y_stride + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(prod + d * N + cols, round_to(yv * wv, prod.dtype.element_ty), mask=m)

@@ -1,0 +1,237 @@
+"""The decode step's non-GEMM ops, fused into few passes, each bit for bit its op-by-op PyTorch reference.
+
+    rms_norm(x, weight, eps, mode, residual=None, backend=None) -> y, or (y, residual + x) with a residual
+    qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=None, backend=None)
+        -> (q [B, Hq, T, D], k [B, Hkv, T, D]); ``cache`` = (k_cache, v_cache, slots [B], positions [B, T]):
+        the rotated keys and the values are also written to k_cache / v_cache [slots, Hkv, S, D]
+    silu_mul(gate, up, mode, backend=None) -> SiLU(gate) * up
+    combine_experts(y, perm, weights, mode, backend=None) -> [T, H]: routed rows y [T*k, H] (sorted by expert;
+        perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
+
+``mode`` is the sampler's non-GEMM numerics (minite.engines.sampler_ops): "hf" rounds to the input dtype
+after every op, as transformers' modules do op by op (the aligned arm's sampler must equal its trainer, an
+upstream model, bit for bit); "vllm" keeps fp32 through each fused op and rounds once.
+
+Why the passes look as they do. A decode step at batch 64 is ~370 launches, most of them tiny element-wise
+ops at 2-4 us each even inside a CUDA graph; these ops are most of them. Element-wise arithmetic can be
+fused without changing a bit (the kernels do the reference's fp32 operations in its order, round where it
+rounds, use IEEE division and the CUDA math library's expf / rsqrtf, and are compiled without FMA
+contraction), but a reduction's order cannot: every mean (RMSNorm's variance) stays torch's own kernel over a
+tensor of the reference's shape and values. So an RMSNorm is three launches instead of eight or nine: one
+pass that writes the (residual-added) input and its squares, torch's mean, one pass for the rest.
+
+Paths: ``backend`` as everywhere in minite.kernels (Triton on CUDA, the reference on CPU, the interpreter
+for "triton" on CPU). The Triton path needs the weight and cache dtypes the sampler uses (weight in x's
+dtype); anything else takes the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _backend
+
+MODES = ("hf", "vllm")
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"non-GEMM numerics {mode!r}: expected one of {MODES}")
+
+
+# ------------------------------------------------------------------------------------------- references
+def rms_norm_reference(x, weight, eps, mode, residual=None):
+    """"hf": transformers' Qwen3MoeRMSNorm op for op (residual add in x's dtype first); "vllm": the residual
+    sum, normalisation and weight multiply in fp32, one rounding (only the stored residual is rounded)."""
+    _check_mode(mode)
+    if mode == "hf":
+        r = x if residual is None else residual + x
+        h = r.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + eps)
+        y = weight * h.to(r.dtype)
+        return y if residual is None else (y, r)
+    s = x.to(torch.float32) if residual is None else x.to(torch.float32) + residual.to(torch.float32)
+    var = s.pow(2).mean(-1, keepdim=True)
+    y = (s * torch.rsqrt(var + eps) * weight.to(torch.float32)).to(x.dtype)
+    return y if residual is None else (y, s.to(x.dtype))
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope_reference(q, k, cos, sin, mode):
+    """q [B, Hq, T, D], k [B, Hkv, T, D]. "hf": transformers' apply_rotary_pos_emb (cos/sin [B, T, D] in q's
+    dtype, every product and the sum rounded); "vllm": fp32 cos/sin [B, 1, T, D], fp32 math, one cast."""
+    if mode == "hf":
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (q * c) + (_rotate_half(q) * s), (k * c) + (_rotate_half(k) * s)
+
+    def rot(x):
+        x32 = x.to(torch.float32)
+        return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+    return rot(q), rot(k)
+
+
+def qk_norm_rope_reference(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=None):
+    b, t, _ = qkv.shape
+    d = q_weight.shape[0]
+    q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q = rms_norm_reference(q.reshape(b, t, n_q, d), q_weight, eps, mode).transpose(1, 2)
+    k = rms_norm_reference(k.reshape(b, t, n_kv, d), k_weight, eps, mode).transpose(1, 2)
+    q, k = rope_reference(q, k, cos, sin, mode)
+    if cache is not None:
+        kc, vc, slots, pos = cache
+        kc[slots[:, None], :, pos] = k.transpose(1, 2).to(kc.dtype)  # [B, T, Hkv, D] at (slot, position)
+        vc[slots[:, None], :, pos] = v.reshape(b, t, n_kv, d).to(vc.dtype)
+    return q, k
+
+
+def silu_mul_reference(gate, up, mode):
+    if mode == "hf":
+        return torch.nn.functional.silu(gate) * up
+    return (torch.nn.functional.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
+
+
+def combine_experts_reference(y, perm, weights, mode):
+    t, k = weights.shape
+    out = torch.empty_like(y).index_copy_(0, perm, y).view(t, k, -1)  # back to (token, k) order
+    if mode == "hf":  # transformers' grouped_mm experts: product in the activations' dtype, one rounding of the sum
+        return (out * weights.reshape(t, k, 1)).sum(dim=1).to(y.dtype)
+    return (out.to(torch.float32) * weights.reshape(t, k, 1)).sum(dim=1).to(y.dtype)
+
+
+# ------------------------------------------------------------------------------------------- dispatch
+def _use_triton(backend, *tensors) -> bool:
+    return _backend.resolve(backend, tensors[0].device) == "triton"
+
+
+def _launch(kernel, grid, *args, **meta):
+    kernel[grid](*args, **meta, enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def rms_norm(x, weight, eps, mode, residual=None, backend=None):
+    """See the module docstring."""
+    _check_mode(mode)
+    if not _use_triton(backend, x) or weight.dtype != x.dtype or x.shape[-1] != weight.shape[0] or \
+            (residual is not None and residual.dtype != x.dtype):
+        return rms_norm_reference(x, weight, eps, mode, residual)
+    from ._triton_fused_ops import _norm_tail_kernel, _square_kernel
+
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
+    rows = x2.shape[0]
+    res2 = None if residual is None else residual.reshape(-1, n)
+    if res2 is not None and res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    hf = mode == "hf"
+    # the pass before the mean: the rounded residual sum ("hf") or its fp32 value ("vllm"), and its squares
+    summed = None if res2 is None else torch.empty(rows, n, device=x.device,
+                                                   dtype=x.dtype if hf else torch.float32)
+    sq = torch.empty(rows, n, device=x.device, dtype=torch.float32)
+    if rows:
+        _launch(_square_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
+                0 if res2 is None else res2.stride(0), summed if summed is not None else sq, sq, n,
+                HAS_RES=res2 is not None, HF=hf, BLOCK=_block(n))
+    var = sq.view(x.shape).mean(-1, keepdim=True)  # torch's reduction, on the reference's shape and values
+    src = x2 if summed is None else summed
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    new_res = None if residual is None else (summed if hf else torch.empty_like(x))
+    if rows:
+        _launch(_norm_tail_kernel, (rows,), src, src.stride(0), var, weight, y,
+                new_res if new_res is not None and not hf else y, n, eps,
+                HF=hf, WRITE_RES=new_res is not None and not hf, BLOCK=_block(n))
+    if residual is None:
+        return y
+    return y, new_res.view(x.shape)
+
+
+def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=None, backend=None):
+    """See the module docstring. qkv [B, T, (Hq + 2 Hkv) D]: the fused projection's output."""
+    _check_mode(mode)
+    b, t, width = qkv.shape
+    d = q_weight.shape[0]
+    ok = (_use_triton(backend, qkv) and width == (n_q + 2 * n_kv) * d and qkv.stride(-1) == 1
+          and q_weight.dtype == k_weight.dtype == qkv.dtype and d % 2 == 0
+          and (cache is None or cache[0].dtype == cache[1].dtype == qkv.dtype)
+          and cos.dtype == sin.dtype == (qkv.dtype if mode == "hf" else torch.float32))
+    if not ok:
+        return qk_norm_rope_reference(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache)
+    from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
+
+    dev, rows = qkv.device, b * t
+    q_sq = torch.empty(b, t, n_q, d, device=dev, dtype=torch.float32)
+    k_sq = torch.empty(b, t, n_kv, d, device=dev, dtype=torch.float32)
+    q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
+    k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
+    if rows == 0:
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
+    grid = (rows, n_q + n_kv)
+    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, D=d)
+    q_var = q_sq.mean(-1, keepdim=True)  # torch's reductions, on the reference's shapes and values
+    k_var = k_sq.mean(-1, keepdim=True)
+    cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
+    if cs.stride(-1) != 1 or sn.stride() != cs.stride():
+        cs, sn = cs.contiguous(), sn.contiguous()
+    if cache is None:
+        kc = vc = k_out
+        slots, pos = torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, 1, dtype=torch.int64, device=dev)
+        kcs = (0, 0, 0)
+        has_cache = False
+    else:
+        kc, vc, slots, pos = cache
+        pos = pos.expand(b, t)
+        if kc.stride() != vc.stride() or kc.stride(-1) != 1:
+            return qk_norm_rope_reference(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache)
+        kcs = (kc.stride(0), kc.stride(1), kc.stride(2))
+        has_cache = True
+    _launch(_qk_tail_kernel, grid, q2, q2.stride(0), q_var, k_var, q_weight, k_weight, cs, sn,
+            cs.stride(0), cs.stride(1), q_out, k_out, kc, vc, slots, pos, pos.stride(0), pos.stride(1),
+            *kcs, t, n_q, n_kv, eps, D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+def silu_mul(gate, up, mode, backend=None):
+    """See the module docstring. gate, up [..., I] (any row stride: the two halves of one projection)."""
+    _check_mode(mode)
+    if not _use_triton(backend, gate) or gate.shape != up.shape or gate.dtype != up.dtype or \
+            gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return silu_mul_reference(gate, up, mode)
+    from ._triton_fused_ops import _silu_mul_kernel
+
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    out = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
+    if g2.shape[0]:
+        _launch(_silu_mul_kernel, (g2.shape[0], _cdiv(n, 1024)), g2, g2.stride(0), u2, u2.stride(0), out,
+                n, HF=mode == "hf", BLOCK=1024)
+    return out
+
+
+def combine_experts(y, perm, weights, mode, backend=None):
+    """See the module docstring."""
+    _check_mode(mode)
+    if not _use_triton(backend, y) or y.stride(-1) != 1 or weights.dtype not in (y.dtype, torch.float32):
+        return combine_experts_reference(y, perm, weights, mode)
+    from ._triton_fused_ops import _weighted_scatter_kernel
+
+    t, k = weights.shape
+    s, h = y.shape
+    prod_dtype = y.dtype if mode == "hf" else torch.float32
+    if mode == "hf" and weights.dtype != y.dtype:
+        return combine_experts_reference(y, perm, weights, mode)
+    prod = torch.empty(t, k, h, device=y.device, dtype=prod_dtype)
+    if s:
+        _launch(_weighted_scatter_kernel, (s, _cdiv(h, 1024)), y, y.stride(0), perm,
+                weights.contiguous(), prod, h, BLOCK=1024)
+    return prod.sum(dim=1).to(y.dtype)  # torch's reduction over k, as the reference's

@@ -1,0 +1,145 @@
+"""Fused non-GEMM ops: every Triton kernel (the interpreter here, CUDA on a GPU) is bitwise its op-by-op
+PyTorch reference, and the "hf" references are transformers' own modules op for op."""
+import pytest
+import torch
+from minite.kernels import fused_ops as F
+
+MODES = ["hf", "vllm"]
+
+
+def _same(a, b):
+    """Bitwise equality (NaN-safe, sign of zero included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    ia = a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
+    ib = b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32)
+    bad = (ia != ib).sum().item()
+    assert bad == 0, f"{bad} of {a.numel()} values differ"
+
+
+def _rand(shape, seed, device="cpu", dtype=torch.bfloat16, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * spread
+    x = x * torch.exp2(torch.randint(-6, 7, shape, generator=g).float())  # wide magnitudes: rounding cases
+    return x.to(device=device, dtype=dtype)
+
+
+def _cos_sin(b, t, d, mode, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(b, t, d // 2, generator=g) * 50
+    ang = torch.cat([ang, ang], dim=-1)
+    if mode == "hf":
+        return ang.cos().to(device, torch.bfloat16), ang.sin().to(device, torch.bfloat16)
+    return ang.cos()[:, None].to(device), ang.sin()[:, None].to(device)
+
+
+# ------------------------------------------------------------------------------------------- references
+def test_hf_references_are_transformers_modules():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, apply_rotary_pos_emb
+
+    x = _rand((3, 5, 64), 1)
+    norm = Qwen3MoeRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(_rand((64,), 2))
+    _same(F.rms_norm_reference(x, norm.weight.detach(), 1e-6, "hf"), norm(x).detach())
+    q, k = _rand((2, 4, 3, 32), 3), _rand((2, 2, 3, 32), 4)
+    cos, sin = _cos_sin(2, 3, 32, "hf", 5)
+    for got, want in zip(F.rope_reference(q, k, cos, sin, "hf"), apply_rotary_pos_emb(q, k, cos, sin), strict=True):
+        _same(got, want)
+    g, u = _rand((7, 48), 6), _rand((7, 48), 7)
+    _same(F.silu_mul_reference(g, u, "hf"), torch.nn.functional.silu(g) * u)
+
+
+# ------------------------------------------------------------------------------------------- kernels
+def _check_rms_norm(mode, rows, n, device, seed=0):
+    x = _rand((rows, 1, n), seed, device)
+    res = _rand((rows, 1, n), seed + 1, device, spread=4.0)
+    w = _rand((n,), seed + 2, device)
+    _same(F.rms_norm(x, w, 1e-6, mode, backend="triton"), F.rms_norm_reference(x, w, 1e-6, mode))
+    got, want = F.rms_norm(x, w, 1e-6, mode, residual=res, backend="triton"), \
+        F.rms_norm_reference(x, w, 1e-6, mode, residual=res)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rms_norm_kernel_equals_reference(mode):
+    _check_rms_norm(mode, 5, 96, "cpu")
+    _check_rms_norm(mode, 3, 200, "cpu", seed=9)  # width not a power of two
+
+
+def _check_qk(mode, b, t, nq, nkv, d, device, seed=0, cache_slots=None):
+    qkv = _rand((b, t, (nq + 2 * nkv) * d), seed, device)
+    qw, kw = _rand((d,), seed + 1, device), _rand((d,), seed + 2, device)
+    cos, sin = _cos_sin(b, t, d, mode, seed + 3, device)
+    cache_ref = cache_got = None
+    if cache_slots is not None:
+        s = cache_slots
+        kc = torch.zeros(s, nkv, t + 4, d, dtype=torch.bfloat16, device=device)
+        slots = torch.randperm(s, generator=torch.Generator().manual_seed(seed))[:b].to(device)
+        pos = (torch.arange(t)[None, :] + torch.arange(b)[:, None] % 3).to(device)
+        cache_ref = (kc.clone(), kc.clone(), slots, pos)
+        cache_got = (kc.clone(), kc.clone(), slots, pos)
+    want = F.qk_norm_rope_reference(qkv, nq, nkv, qw, kw, 1e-6, cos, sin, mode, cache_ref)
+    got = F.qk_norm_rope(qkv, nq, nkv, qw, kw, 1e-6, cos, sin, mode, cache_got, backend="triton")
+    for g, w in zip(got, want, strict=True):
+        _same(g, w)
+        assert [st for st, n in zip(g.stride(), g.shape, strict=True) if n > 1] == \
+            [st for st, n in zip(w.stride(), w.shape, strict=True) if n > 1]  # the reference's layout
+    if cache_slots is not None:
+        _same(cache_got[0], cache_ref[0])
+        _same(cache_got[1], cache_ref[1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_qk_norm_rope_kernel_equals_reference_and_writes_the_cache(mode):
+    _check_qk(mode, 2, 3, 4, 2, 32, "cpu")
+    _check_qk(mode, 3, 1, 4, 2, 32, "cpu", seed=5, cache_slots=5)  # a decode step into slots 0..4
+    _check_qk(mode, 2, 3, 2, 1, 16, "cpu", seed=7, cache_slots=2)  # a prefill
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-g) = inf for very negative g, as on GPU
+def test_silu_mul_kernel_equals_reference(mode):
+    h = _rand((6, 2 * 1100), 3, spread=3.0)   # the two halves of one projection, wider than one block
+    gate, up = h.chunk(2, dim=-1)
+    _same(F.silu_mul(gate, up, mode, backend="triton"), F.silu_mul_reference(gate, up, mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_combine_experts_kernel_equals_reference(mode):
+    t, k, h = 5, 3, 40
+    y = _rand((t * k, h), 4)
+    perm = torch.randperm(t * k, generator=torch.Generator().manual_seed(1))
+    w = torch.softmax(torch.randn(t, k, generator=torch.Generator().manual_seed(2)), -1)
+    w = w.to(torch.bfloat16) if mode == "hf" else w
+    _same(F.combine_experts(y, perm, w, mode, backend="triton"), F.combine_experts_reference(y, perm, w, mode))
+
+
+def test_bad_mode_and_unsupported_dtypes():
+    x = _rand((2, 16), 0)
+    with pytest.raises(ValueError, match="non-GEMM numerics"):
+        F.rms_norm(x, x[0], 1e-6, "fp8")
+    w32 = torch.ones(16)  # a weight in another dtype than x: the reference's promotion, not the kernel
+    _same(F.rms_norm(x, w32, 1e-6, "hf", backend="triton"), F.rms_norm_reference(x, w32, 1e-6, "hf"))
+
+
+# ------------------------------------------------------------------------------------------- on the GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fused_ops_bitwise_at_qwen3_30b_a3b_widths(mode):
+    """CUDA's expf / rsqrtf / IEEE division and no FMA: the kernels equal torch's CUDA ops, bit for bit."""
+    for seed in range(3):
+        _check_rms_norm(mode, 64, 2048, "cuda", seed=seed)
+        _check_rms_norm(mode, 37, 2048, "cuda", seed=seed + 10)
+        _check_qk(mode, 64, 1, 32, 4, 128, "cuda", seed=seed, cache_slots=80)
+        _check_qk(mode, 4, 33, 32, 4, 128, "cuda", seed=seed + 5, cache_slots=4)
+        h = _rand((512, 2 * 768), seed, "cuda", spread=4.0)
+        gate, up = h.chunk(2, dim=-1)
+        _same(F.silu_mul(gate, up, mode), F.silu_mul_reference(gate, up, mode))
+        t, k = 64, 8
+        y = _rand((t * k, 2048), seed, "cuda")
+        perm = torch.randperm(t * k, device="cuda")
+        w = torch.softmax(torch.randn(t, k, device="cuda"), -1)
+        w = w.to(torch.bfloat16) if mode == "hf" else w
+        _same(F.combine_experts(y, perm, w, mode), F.combine_experts_reference(y, perm, w, mode))
