@@ -182,6 +182,29 @@ def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLO
 
 
 @triton.jit
+def _expert_sort_kernel(ids, perm, rows, offsets, n, K, E, E_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Counting sort of the n expert ids in one program (order kept within an expert: a stable sort)."""
+    ecol = tl.arange(0, E_BLOCK)
+    counts = tl.zeros([E_BLOCK], tl.int64)
+    for start in range(0, n, BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        e = tl.load(ids + i, mask=i < n, other=-1)
+        counts += tl.sum((e[:, None] == ecol[None, :]).to(tl.int64), axis=0)
+    run = tl.cumsum(counts, axis=0) - counts      # each expert's first row
+    tl.store(offsets + ecol, run, mask=ecol < E)
+    tl.store(offsets + E, tl.sum(counts, axis=0))  # n: every id is an expert's
+    for start in range(0, n, BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        e = tl.load(ids + i, mask=i < n, other=-1)
+        hit = (e[:, None] == ecol[None, :]).to(tl.int64)
+        before = tl.cumsum(hit, axis=0) - hit        # rows of the same expert earlier in this block
+        pos = tl.sum(hit * (run[None, :] + before), axis=1)
+        tl.store(perm + pos, i.to(tl.int64), mask=i < n)
+        tl.store(rows + pos, (i // K).to(tl.int64), mask=i < n)
+        run += tl.sum(hit, axis=0)
+
+
+@triton.jit
 def _weighted_scatter_kernel(y, y_stride, perm, weights, prod, N, BLOCK: tl.constexpr):
     """prod[perm[r]] = y[r] * weights.flat[perm[r]], rounded once to prod's dtype."""
     r = tl.program_id(0).to(tl.int64)

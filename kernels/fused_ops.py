@@ -5,6 +5,9 @@
         -> (q [B, Hq, T, D], k [B, Hkv, T, D]); ``cache`` = (k_cache, v_cache, slots [B], positions [B, T]):
         the rotated keys and the values are also written to k_cache / v_cache [slots, Hkv, S, D]
     silu_mul(gate, up, mode, backend=None) -> SiLU(gate) * up
+    sort_by_expert(ids, num_experts, backend=None) -> (perm, rows, offsets): ids [T, k] the experts each token
+        is routed to; perm [T*k] torch.sort(ids.flatten(), stable=True)'s permutation, rows = perm // k (the
+        token of each sorted row), offsets [E+1] (int64) the first sorted row of each expert, then T*k
     combine_experts(y, perm, weights, mode, backend=None) -> [T, H]: routed rows y [T*k, H] (sorted by expert;
         perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
 
@@ -92,6 +95,12 @@ def silu_mul_reference(gate, up, mode):
     if mode == "hf":
         return torch.nn.functional.silu(gate) * up
     return (torch.nn.functional.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
+
+
+def sort_by_expert_reference(ids, num_experts):
+    expert_sorted, perm = torch.sort(ids.reshape(-1), stable=True)
+    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=expert_sorted.dtype)
+    return perm, perm // ids.shape[-1], torch.searchsorted(expert_sorted, bounds)
 
 
 def combine_experts_reference(y, perm, weights, mode):
@@ -216,6 +225,24 @@ def silu_mul(gate, up, mode, backend=None):
         _launch(_silu_mul_kernel, (g2.shape[0], _cdiv(n, 1024)), g2, g2.stride(0), u2, u2.stride(0), out,
                 n, HF=mode == "hf", BLOCK=1024)
     return out
+
+
+def sort_by_expert(ids, num_experts, backend=None):
+    """See the module docstring. One program, a counting sort: expert counts, their prefix sum, then each
+    row's place = its expert's start + the rows of that expert before it (a stable sort's permutation)."""
+    if not _use_triton(backend, ids) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        return sort_by_expert_reference(ids, num_experts)
+    from ._triton_fused_ops import _expert_sort_kernel
+
+    n = ids.numel()
+    flat = ids.reshape(-1).contiguous()
+    perm = torch.empty(n, dtype=torch.int64, device=ids.device)
+    rows = torch.empty(n, dtype=torch.int64, device=ids.device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=ids.device)
+    e_block = _block(num_experts)
+    _launch(_expert_sort_kernel, (1,), flat, perm, rows, offsets, n, ids.shape[-1], num_experts,
+            E_BLOCK=e_block, BLOCK_N=max(16, 8192 // e_block), num_warps=8)
+    return perm, rows, offsets
 
 
 def combine_experts(y, perm, weights, mode, backend=None):

@@ -115,6 +115,16 @@ def test_combine_experts_kernel_equals_reference(mode):
     _same(F.combine_experts(y, perm, w, mode, backend="triton"), F.combine_experts_reference(y, perm, w, mode))
 
 
+@pytest.mark.parametrize("t,k,e", [(5, 3, 8), (64, 8, 128), (40, 2, 5)])
+def test_sort_by_expert_is_the_stable_sort(t, k, e):
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids[ids == 1] = 0  # an expert nobody picks
+    got, want = F.sort_by_expert(ids, e, backend="triton"), F.sort_by_expert_reference(ids, e)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
+
+
 def test_bad_mode_and_unsupported_dtypes():
     x = _rand((2, 16), 0)
     with pytest.raises(ValueError, match="non-GEMM numerics"):
@@ -143,3 +153,7 @@ def test_gpu_fused_ops_bitwise_at_qwen3_30b_a3b_widths(mode):
         w = torch.softmax(torch.randn(t, k, device="cuda"), -1)
         w = w.to(torch.bfloat16) if mode == "hf" else w
         _same(F.combine_experts(y, perm, w, mode), F.combine_experts_reference(y, perm, w, mode))
+        ids = torch.topk(torch.randn(t * 32, 128, device="cuda"), k, dim=-1).indices  # a prefill's routing too
+        for rows in (ids[:t], ids):
+            for a, b in zip(F.sort_by_expert(rows, 128), F.sort_by_expert_reference(rows, 128), strict=True):
+                assert torch.equal(a, b)

@@ -161,8 +161,7 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
         return grouped_mm(xs, weights, offsets)
     if calib is None and recipe.gemm == "kernel":  # one activation quantization, one grouped launch
         a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
-        return kernels.grouped_nvfp4_gemm(a, weights, offsets.to(torch.int64), out_dtype=torch.float32
-                                          ).to(xs.dtype)
+        return kernels.grouped_nvfp4_gemm(a, weights, offsets, out_dtype=xs.dtype)
     ws = weights if isinstance(weights, list) else [
         nvfp4.NVFP4Tensor(weights.codes[e], weights.scales[e], weights.global_scale[e])
         for e in range(weights.codes.shape[0])]
@@ -196,14 +195,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str):
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
         calib: Calibrator | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts for tokens x [T, H]: rows sorted by expert, two grouped GEMMs, weighted k-sum. The
-    expert offsets come from a search over the sorted ids, on the device (bincount would read its size
-    back)."""
-    t, k = idx.shape
-    flat = idx.reshape(-1)
-    expert_sorted, perm = torch.sort(flat, stable=True)
-    rows = perm // k
-    bounds = torch.arange(experts.num_experts + 1, device=flat.device, dtype=expert_sorted.dtype)
-    offsets = torch.searchsorted(expert_sorted, bounds)  # [E+1]: first row of each expert, then T*k
+    sort and the expert offsets stay on the device (bincount would read its size back)."""
+    perm, rows, offsets = fused_ops.sort_by_expert(idx, experts.num_experts)  # a stable sort by expert
     vrows = None if valid is None else valid[rows]
     stacked = experts.stacked if calib is None else {}
     h = grouped_linear(x[rows], stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
