@@ -8,13 +8,17 @@ src(c) = gather[c] (``GATHER``; -1 = a zero column) or c (zero for c >= C: right
     _amax_kernel    max |X'| (after the RHT when asked) per group of ``rows_per_group`` rows, reduced on the
                     fp32 bits as int32 (non-negative floats order like their bits; NaN sorts above Inf, so a
                     bad input always shows up in the amax) with one atomic_max per tile or per row.
-    _cast_kernel    one pass per tile: load, RHT, global and block scales, E2M1 codes (RNE or the counter-hash
-                    stochastic stream), and any of: packed codes + E4M3 scales, S_dec per row / per group, the
-                    dequantized values (fp32 or BF16), a NaN/Inf count per program.
+    _cast_kernel    one pass per tile: load, RHT, global and block scales (formula "te" or "vllm"), E2M1 codes
+                    (RNE or the counter-hash stochastic stream), and any of: packed codes + E4M3 scales, S_dec per
+                    row / per group, the dequantized values (fp32 or BF16), NaN/Inf counts per program (the
+                    input's; for "vllm" also its global encode scale G's).
     _dequant_kernel codes + scales + S_dec -> fp32 or BF16 values.
 
 Arithmetic rules that keep the bits equal to the PyTorch reference:
-  * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels.
+  * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels. The cast
+    is compiled without FMA contraction (vLLM's zero guard ``v + (v == 0) * 1e8`` is a multiply-add).
+  * Clamps propagate NaN, as ``torch.clamp`` does: vLLM's scales can make 0 * inf (a G near the fp32 range
+    ends), and the reference then gives code 0 (and a NaN E4M3 scale), not a clamped +-6 / 448.
   * BF16 rounding is RNE on fp32 bits (the interpreter's bf16 cast truncates).
   * Signs are set as bits, never by unary minus: Triton 3.6 lowers ``-x`` to ``0 - x`` (+0.0 for x = +0.0).
   * The RHT is ``minite.nvfp4.rht16``'s float64 butterfly, stage for stage (elementwise: Triton 3.6 cannot
@@ -34,6 +38,8 @@ _RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(
 RHT_NONE, RHT_F32, RHT_BF16, RHT_F16 = 0, 1, 2, 3
 #: dequantized output (constexpr DQ): 0 = none, 1 = fp32, 2 = BF16 (stored as int16 bits)
 DQ_NONE, DQ_F32, DQ_BF16 = 0, 1, 2
+#: the scale formula (constexpr FORMULA), as minite.nvfp4.quantize's
+FORMULA_TE, FORMULA_VLLM = 0, 1
 
 
 @triton.jit
@@ -48,9 +54,17 @@ def _hash32(x):
 
 @triton.jit
 def _bf16_rne(y):
-    """fp32 -> the nearest BF16 value (ties to even), still as fp32; finite or not."""
+    """fp32 -> the nearest BF16 value (ties to even), still as fp32; finite or not. A NaN stays a (quiet) NaN:
+    the rounding carry would turn the GPU's 0x7FFFFFFF into -0 (torch's own NaN bits differ by device)."""
     bits = y.to(tl.uint32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    bits = tl.where(y != y, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _vllm_recip(v):
+    """minite.nvfp4._vllm_recip: 1 / (v + (v == 0) * 1e8), vLLM's zero guard, op for op."""
+    return tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), v + (v == 0).to(tl.float32) * 1e8)
 
 
 @triton.jit
@@ -117,7 +131,8 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
                  R, C, CW, stride_r, stride_c, rows_per_group, seed,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
-                 DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr):
+                 DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
+                 GIVEN_G: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
@@ -134,13 +149,22 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
     bamax = tl.max(ax, axis=2)                   # [BR, NB]: 1x16 block amax
     if ROW_AMAX:  # the tile holds whole rows
         amax = tl.max(bamax, axis=1)
-    else:
+    else:  # the row's amax, or (GIVEN_G) vLLM's encode scale G itself
         amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
-    # S_enc = min(2688 / amax, FLT_MAX), 1 where amax == 0 or S_enc == 0; S_dec = 1 / S_enc
-    s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), _FLT_MAX)
-    s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
-    s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
-    mult = s_enc * 0.16666666666666666  # S_enc * fp32(1/6), formed first
+    if FORMULA == 0:  # te: S_enc = min(2688 / amax, FLT_MAX), 1 where amax == 0 or S_enc == 0; S_dec = 1 / S_enc
+        s_enc = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), _FLT_MAX)
+        s_enc = tl.where((amax == 0) | (s_enc == 0), 1.0, s_enc)
+        s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+        mult = s_enc * 0.16666666666666666  # S_enc * fp32(1/6), formed first
+    else:  # vllm: G = recip(amax / 2688) unless given, S_dec = recip(G)
+        if GIVEN_G:
+            g = amax
+        else:
+            g = _vllm_recip(tl.math.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32)))
+        s_dec = _vllm_recip(g)
+        if CHECK:  # G overflows for a tiny nonzero amax (or a given G past fp32): the reference raises
+            gbad = ((g != g) | (tl.abs(g) == float("inf"))) & rmask
+            tl.store(bad_ptr + (tl.num_programs(0) + pr) * tl.num_programs(1) + pc, tl.sum(gbad.to(tl.int32), axis=0))
     if pc == 0:
         if SDEC_ROWS:
             tl.store(sdec_ptr + rows, s_dec, mask=rmask)
@@ -148,8 +172,13 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
     if TILE16:  # the 16x16 tile's amax, repeated on its 16 rows
         t = tl.max(tl.reshape(bamax, (BR // 16, 16, NB)), axis=1)
         bamax = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, NB)), (BR, NB))
-    # block scale e4m3(min(block_amax * mult, FLT_MAX, 448)), rounded to nearest-even on the fp32 bits
-    sv = tl.minimum(tl.minimum(bamax * mult[:, None], _FLT_MAX), 448.0)
+    if FORMULA == 0:
+        sv = bamax * mult[:, None]
+    else:
+        sv = g[:, None] * (bamax * 0.16666666666666666)  # G * (block_amax * fp32(1/6))
+    # block scale e4m3(clamp(sv, +-448)) (TE's FLT_MAX clamp before it changes nothing), rounded to nearest-even
+    # on the fp32 bits; sv >= 0 or NaN
+    sv = tl.clamp(sv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     bits = sv.to(tl.uint32, bitcast=True)
     rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
     is_norm = sv >= 0.015625
@@ -157,12 +186,16 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
     s_q = tl.where(is_norm, rb.to(tl.float32, bitcast=True), s_sub)
     if CODES:
         code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-        s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32)).to(tl.uint8)
+        s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32))
+        s_code = tl.where(sv != sv, 0x7F | ((bits >> 24) & 0x80), s_code).to(tl.uint8)  # NaN as torch's cast
         scols = pc * NB + tl.arange(0, NB)
         tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (CW // 16) + scols[None, :], s_code,
                  mask=rmask[:, None] & (scols[None, :] < CW // 16))
-    enc = tl.minimum(tl.math.div_rn(tl.full(s_q.shape, 1.0, tl.float32), s_q * s_dec[:, None]), _FLT_MAX)
-    v = tl.minimum(tl.maximum(x * enc[:, :, None], -6.0), 6.0)
+    if FORMULA == 0:
+        enc = tl.minimum(tl.math.div_rn(tl.full(s_q.shape, 1.0, tl.float32), s_q * s_dec[:, None]), _FLT_MAX)
+    else:
+        enc = _vllm_recip(s_q * s_dec[:, None])
+    v = tl.clamp(x * enc[:, :, None], -6.0, 6.0, propagate_nan=tl.PropagateNan.ALL)  # NaN -> code 0
     a = tl.abs(v)
     if STOCHASTIC:  # up with probability (a - lo) / (hi - lo), u from hash(hash(index) ^ seed)
         lo = ((a >= 0.5).to(tl.uint32) + (a >= 1.0) + (a >= 1.5) + (a >= 2.0) + (a >= 3.0)

@@ -182,26 +182,27 @@ def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLO
 
 
 @triton.jit
-def _expert_sort_kernel(ids, perm, rows, offsets, n, K, E, E_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Counting sort of the n expert ids in one program (order kept within an expert: a stable sort)."""
-    ecol = tl.arange(0, E_BLOCK)
-    counts = tl.zeros([E_BLOCK], tl.int64)
+def _expert_sort_kernel(ids, perm, rows, offsets, n, K, E, BLOCK_N: tl.constexpr):
+    """Program e: the rows routed to expert e, in their order (a stable sort), placed after the rows of every
+    smaller expert; writes offsets[e] (the last program offsets[E] = n as well)."""
+    e = tl.program_id(0)
+    before = tl.sum(tl.zeros([BLOCK_N], tl.int64), axis=0)  # rows of experts < e
+    mine = before                                            # rows of expert e seen so far
     for start in range(0, n, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
-        e = tl.load(ids + i, mask=i < n, other=-1)
-        counts += tl.sum((e[:, None] == ecol[None, :]).to(tl.int64), axis=0)
-    run = tl.cumsum(counts, axis=0) - counts      # each expert's first row
-    tl.store(offsets + ecol, run, mask=ecol < E)
-    tl.store(offsets + E, tl.sum(counts, axis=0))  # n: every id is an expert's
+        v = tl.load(ids + i, mask=i < n, other=E)
+        before += tl.sum((v < e).to(tl.int64), axis=0)
     for start in range(0, n, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
-        e = tl.load(ids + i, mask=i < n, other=-1)
-        hit = (e[:, None] == ecol[None, :]).to(tl.int64)
-        before = tl.cumsum(hit, axis=0) - hit        # rows of the same expert earlier in this block
-        pos = tl.sum(hit * (run[None, :] + before), axis=1)
-        tl.store(perm + pos, i.to(tl.int64), mask=i < n)
-        tl.store(rows + pos, (i // K).to(tl.int64), mask=i < n)
-        run += tl.sum(hit, axis=0)
+        v = tl.load(ids + i, mask=i < n, other=E)
+        hit = (v == e).to(tl.int64)
+        pos = before + mine + tl.cumsum(hit, axis=0) - hit
+        tl.store(perm + pos, i.to(tl.int64), mask=hit > 0)
+        tl.store(rows + pos, (i // K).to(tl.int64), mask=hit > 0)
+        mine += tl.sum(hit, axis=0)
+    tl.store(offsets + e, before)
+    if e == E - 1:
+        tl.store(offsets + E, before + mine)
 
 
 @triton.jit

@@ -228,8 +228,8 @@ def silu_mul(gate, up, mode, backend=None):
 
 
 def sort_by_expert(ids, num_experts, backend=None):
-    """See the module docstring. One program, a counting sort: expert counts, their prefix sum, then each
-    row's place = its expert's start + the rows of that expert before it (a stable sort's permutation)."""
+    """See the module docstring. A counting sort, one program per expert: the rows of smaller experts come
+    first, then its own rows in their order (exactly a stable sort's permutation)."""
     if not _use_triton(backend, ids) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         return sort_by_expert_reference(ids, num_experts)
     from ._triton_fused_ops import _expert_sort_kernel
@@ -239,9 +239,8 @@ def sort_by_expert(ids, num_experts, backend=None):
     perm = torch.empty(n, dtype=torch.int64, device=ids.device)
     rows = torch.empty(n, dtype=torch.int64, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=ids.device)
-    e_block = _block(num_experts)
-    _launch(_expert_sort_kernel, (1,), flat, perm, rows, offsets, n, ids.shape[-1], num_experts,
-            E_BLOCK=e_block, BLOCK_N=max(16, 8192 // e_block), num_warps=8)
+    _launch(_expert_sort_kernel, (num_experts,), flat, perm, rows, offsets, n, ids.shape[-1], num_experts,
+            BLOCK_N=min(4096, _block(n)), num_warps=4)
     return perm, rows, offsets
 
 

@@ -1,4 +1,4 @@
-"""NVFP4 quantizers on the GPU, bit-identical to ``minite.nvfp4`` (formula "te"), and their inverse.
+"""NVFP4 quantizers on the GPU, bit-identical to ``minite.nvfp4`` (formulas "te" and "vllm"), and their inverse.
 
     quantize(x, ...)                 -> NVFP4Tensor          minite.nvfp4.quantize, same signature and bits
     quantize_dequantize(x, dtype)    -> Tensor               dequantize(quantize(x)).to(dtype), one cast pass
@@ -17,9 +17,12 @@ without the pad or the transpose. ``width`` zero-pads the block dimension; ``gat
 picks its columns — the MoE wgrad operands, every expert's token segment padded to 16, straight from the
 sorted activations. ``operand(x, width, gather)`` builds that tensor explicitly (the reference path).
 
-Anything the kernels do not cover (formulas "vllm" / "modelopt", CPU tensors, backend "torch") runs the
-reference itself. The stochastic stream is the reference's counter hash over the operand's element index,
-seeded by one draw from ``generator``; on an error the generator is left as the reference would leave it.
+Formula "vllm" (vLLM's activation quantizer) takes the same passes with its own scale arithmetic, every
+tile, scaling, rounding and RHT: G from the amax (tensor, row, static ``amax=``) or given (static
+``global_encode_scale=``, the sampler's activations: one pass). Anything the kernels do not cover (formula
+"modelopt", CPU tensors, backend "torch") runs the reference itself. The stochastic stream is the
+reference's counter hash over the operand's element index, seeded by one draw from ``generator``; on an
+error the generator is left as the reference would leave it.
 """
 from __future__ import annotations
 
@@ -114,10 +117,11 @@ def _draw_seed(generator) -> int:
     return int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g, device=g.device).item())
 
 
-def _cast(x, *, tile=(1, 16), scaling="tensor", amax=None, rounding="nearest", rht=False, generator=None,
-          check=True, width=None, gather=None, groups=1, codes=True, dq_dtype=None) -> _Cast:
-    """Formula "te" through the Triton kernels: x any strided 2D view, the operand per (width, gather),
-    ``groups`` row groups with their own tensor amax (tensor scaling)."""
+def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
+          rounding="nearest", rht=False, generator=None, check=True, width=None, gather=None, groups=1,
+          codes=True, dq_dtype=None) -> _Cast:
+    """Formula "te" or "vllm" through the Triton kernels: x any strided 2D view, the operand per (width,
+    gather), ``groups`` row groups with their own tensor amax (tensor scaling)."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -134,10 +138,11 @@ def _cast(x, *, tile=(1, 16), scaling="tensor", amax=None, rounding="nearest", r
         raise ValueError(f"gather indexes column {int(gather.max())} of a {c}-column input")
 
     # --- the amax each row uses: rows_per_group rows share amax[row // rows_per_group]
-    if scaling == "static":
+    vllm, given_g = formula == "vllm", global_encode_scale is not None
+    if scaling == "static":  # the amax, or vLLM's G itself
         rpg, n_groups = r, 1
-        amax_t = torch.as_tensor(amax, dtype=torch.float32).reshape(1).to(dev)
-        if check:
+        amax_t = ref._f32(global_encode_scale if given_g else amax, dev).reshape(1)  # as the reference rounds it
+        if check and not vllm:  # vLLM's G = recip(inf / 2688) = 0 is finite; the kernel checks G
             ref.check_finite(amax_t, "amax")
     elif row_amax:
         rpg, n_groups, amax_t = 1, r, None
@@ -158,8 +163,9 @@ def _cast(x, *, tile=(1, 16), scaling="tensor", amax=None, rounding="nearest", r
     sdec_rows = torch.empty(r, dtype=torch.float32, device=dev) if scaling == "row" else None
     sdec_groups = torch.empty(n_groups, dtype=torch.float32, device=dev)
     dq = torch.empty(r, cw, dtype=dq_dtype, device=dev) if dq_dtype is not None else None
-    check_here = check and (row_amax or scaling == "static")  # else the amax pass has checked
-    bad = torch.empty(grid[0] * grid[1] if check_here else 1, dtype=torch.int32, device=dev)
+    check_here = check and (row_amax or scaling == "static" or vllm)  # else the amax pass has checked
+    # NaN/Inf counts per program: the input's, and (vllm) G's
+    bad = torch.empty(2 if vllm else 1, grid[0] * grid[1] if check_here else 1, dtype=torch.int32, device=dev)
     dummy = sdec_groups
     if r and cw:
         K._cast_kernel[grid](
@@ -170,16 +176,20 @@ def _cast(x, *, tile=(1, 16), scaling="tensor", amax=None, rounding="nearest", r
             *common, rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode, TILE16=tile16,
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
-            CHECK=check_here, SDEC_ROWS=sdec_rows is not None, num_warps=warps)
-    if check_here and bool(bad.any()):
+            CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
+            FORMULA=K.FORMULA_VLLM if vllm else K.FORMULA_TE, GIVEN_G=given_g, num_warps=warps,
+            enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
+    flags = bad.any(dim=1).tolist() if check_here else []  # one sync
+    if any(flags):
         if g_state is not None:
             g.set_state(g_state)  # the reference raises before it draws
-        raise ValueError("NVFP4 quantize: input contains NaN or Inf; refusing to produce codes")
+        what = "input" if flags[0] else "global_encode_scale"  # the reference checks the input first
+        raise ValueError(f"NVFP4 quantize: {what} contains NaN or Inf; refusing to produce codes")
     return _Cast(out_codes, out_scales, sdec_rows, sdec_groups, dq)
 
 
 def _kernel_path(x, formula, backend) -> bool:
-    return (formula == "te" and K is not None and x.numel() > 0
+    return (formula in ("te", "vllm") and K is not None and x.numel() > 0
             and _backend.resolve(backend, x.device) == "triton")
 
 
@@ -201,15 +211,14 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
              global_encode_scale=None, rounding: str = "nearest", rht: bool = False,
              generator: torch.Generator | None = None, check: bool = True, backend: str | None = None,
              width: int | None = None, gather: torch.Tensor | None = None) -> ref.NVFP4Tensor:
-    """``minite.nvfp4.quantize(operand(x, width, gather), ...)``, same bits; the Triton kernels for formula
-    "te" (any tile, scaling, rounding, RHT), the reference for the rest."""
+    """``minite.nvfp4.quantize(operand(x, width, gather), ...)``, same bits; the Triton kernels for formulas
+    "te" and "vllm" (any tile, scaling, rounding, RHT), the reference for "modelopt"."""
     kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
               rounding=rounding, rht=rht, generator=generator)
     _validate(x, width, gather, **kw)
     if not _kernel_path(x, formula, backend):
         return ref.quantize(operand(x, width, gather), check=check, **kw)
-    cast = _cast(x, tile=tile, scaling=scaling, amax=amax, rounding=rounding, rht=rht, generator=generator,
-                 check=check, width=width, gather=gather)
+    cast = _cast(x, check=check, width=width, gather=gather, **kw)
     return _to_nvfp4(cast, scaling)
 
 
@@ -227,8 +236,7 @@ def quantize_dequantize(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
     _validate(x, width, gather, **kw)
     if not _kernel_path(x, formula, backend):
         return ref.dequantize(ref.quantize(operand(x, width, gather), check=check, **kw)).to(out_dtype)
-    return _cast(x, tile=tile, scaling=scaling, amax=amax, rounding=rounding, rht=rht, generator=generator,
-                 check=check, width=width, gather=gather, codes=False, dq_dtype=out_dtype).dq
+    return _cast(x, check=check, width=width, gather=gather, codes=False, dq_dtype=out_dtype, **kw).dq
 
 
 def quantize_weight_groups(w: torch.Tensor, groups: int, tile=(16, 16), dq_dtype=torch.bfloat16,

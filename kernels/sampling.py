@@ -9,13 +9,15 @@
         that crosses it included; ties: lowest id).
 
 Paths. ``sample_tokens_reference`` (PyTorch: softmax, cumsum over V, searchsorted) serves CPU tensors and
-every top_p < 1 call (it sorts). Plain sampling on CUDA runs ``_inverse_cdf_kernel``: one program per row,
-three streaming passes over the row's logits (max; the sum of exp(z - max) block by block; the same block
-sums again to find the block where the running sum crosses draw x total) and one look inside that block
-(a cumulative sum of its exps). No softmax tensor, no [B, V] cumulative sum: on a 151,936-id vocabulary
-the reference's scan alone costs ~0.25 ms per decode step at batch 64. The kernel sums in its own fixed
-order (blocks in order, a tree inside each), so its cumulative values can differ from the reference's in
-the last bits: where a draw lands within that rounding of a boundary the two may pick neighbouring tokens.
+every top_p < 1 call (it sorts). Plain sampling on CUDA runs three passes, each over the whole grid: one
+program per (row, block of BLOCK logits) for the blocks' max of z = logits / t, then one per (row, block) for
+the blocks' sums of exp(z - the row's max), then one per row that adds the block sums in block order, finds
+the block where the running sum crosses draw x total, and looks inside that block (a cumulative sum of its
+exps). No softmax tensor and no [B, V] cumulative sum (on a 151,936-id vocabulary the reference's scan alone
+costs ~0.25 ms per decode step at batch 64), and every SM busy: one program per row would leave most of the
+GPU idle at decode batch sizes. The kernels sum in their own fixed order (blocks in order, a tree inside
+each), so their cumulative values can differ from the reference's in the last bits: where a draw lands
+within that rounding of a boundary the two may pick neighbouring tokens.
 Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
 kernel token against a float64 CDF.
 """
@@ -53,7 +55,7 @@ def sample_tokens(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_
 
 
 def _triton_sample(logits, temperature, uniform):
-    from ._triton_sampling import _inverse_cdf_kernel
+    from ._triton_sampling import _block_max_kernel, _block_sum_kernel, _pick_kernel
 
     b, v = logits.shape
     x = logits.float()
@@ -64,5 +66,13 @@ def _triton_sample(logits, temperature, uniform):
     u = uniform.to(torch.float32).contiguous()
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b:
-        _inverse_cdf_kernel[(b,)](x, x.stride(0), t, u, out, v, BLOCK=BLOCK, num_warps=8)
+        nb = -(-v // BLOCK)
+        nb_p2 = max(2, 1 << (nb - 1).bit_length())
+        block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
+        block_sum = torch.empty_like(block_max)
+        _block_max_kernel[(b, nb)](x, x.stride(0), t, block_max, v, nb, BLOCK=BLOCK, num_warps=8)
+        _block_sum_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, v, nb, BLOCK=BLOCK, NB_P2=nb_p2,
+                                   num_warps=8)
+        _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, u, out, v, nb, BLOCK=BLOCK, NB_P2=nb_p2,
+                           num_warps=8)
     return out

@@ -5,6 +5,7 @@ import pytest
 import torch
 from minite.kernels import quantize
 from minite.kernels.checks import check_quantize, same_bits, spread_input
+from minite.kernels.quantize import operand
 
 from minite import nvfp4 as ref
 
@@ -125,3 +126,158 @@ def test_dequantize_bit_exact(scaling, out_dtype):
     assert same_bits(dequantize(t), ref.dequantize(t))                                  # CPU default: reference
     with pytest.raises(ValueError, match="out_dtype"):
         dequantize(t, torch.float16)
+
+
+# ----------------------------------------------------------------------------- formula "vllm" (kernel path)
+def _vllm_scaling(scaling):
+    """scaling name -> quantize kwargs; "static-G" is the sampler's case: vLLM's encode scale G given."""
+    return {"tensor": dict(scaling="tensor"), "row": dict(scaling="row"),
+            "static": dict(scaling="static", amax=2.0),
+            "static-G": dict(scaling="static", global_encode_scale=torch.tensor(2688 / 3.0))}[scaling]
+
+
+def _same_dq(x, out_dtype, **kw):
+    """quantize_dequantize against the reference's dequantize(quantize(x)).to(out_dtype): bits, NaN aside
+    (NaN payloads are not defined: torch's own differ by device and by vectorisation)."""
+    from minite.kernels import quantize_dequantize
+    got = quantize_dequantize(x, out_dtype, generator=torch.Generator().manual_seed(11), **kw)
+    kw.pop("backend", None)
+    want = ref.dequantize(ref.quantize(x, generator=torch.Generator().manual_seed(11), **kw)).to(out_dtype)
+    nan = want.isnan()
+    assert got.dtype == out_dtype and torch.equal(got.isnan(), nan)
+    assert same_bits(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("scaling,rounding,rht", list(itertools.product(
+    ("tensor", "row", "static", "static-G"), ("nearest", "stochastic"), (False, True))))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_vllm_bit_exact_all_modes(scaling, rounding, rht, dtype):
+    x = spread_input(9, 400, "cpu", dtype, seed=3)  # K=400: not a multiple of the kernel's column tile
+    kw = dict(formula="vllm", rounding=rounding, rht=rht, **_vllm_scaling(scaling))
+    q = quantize(x, generator=torch.Generator().manual_seed(11), backend="triton", **kw)
+    _same(q, ref.quantize(x, generator=torch.Generator().manual_seed(11), **kw))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        _same_dq(x, out_dtype, backend="triton", **kw)
+
+
+@pytest.mark.parametrize("scaling", ("tensor", "static", "static-G"))
+def test_vllm_16x16_tiles_and_strided_operands(scaling):
+    x = spread_input(32, 96, "cpu", torch.bfloat16, seed=5)
+    kw = dict(formula="vllm", **_vllm_scaling(scaling))
+    _same(quantize(x, tile=(16, 16), backend="triton", **kw), ref.quantize(x, tile=(16, 16), **kw))
+    xt = x[:, :40].t()                                     # a transposed view, zero-padded to 48 columns
+    _same(quantize(xt, width=48, backend="triton", **kw), ref.quantize(operand(xt, 48), **kw))
+
+
+@pytest.mark.parametrize("g", (torch.tensor(2688 / 5.0), 2688 / 5.0, torch.tensor(448.0, dtype=torch.float64)))
+@pytest.mark.parametrize("m,k", ((1, 16), (1, 2048), (37, 272)))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_vllm_static_sampler_activations(g, m, k, dtype):
+    """The naive arm's sampler activations (minite.engines.gemm.quantize_activation): 1x16, static, G given
+    (a 0-dim tensor or a float), check=False; decode (M=1) and prefill shapes; and the emulated GEMM's
+    quantize_dequantize."""
+    x = spread_input(m, k, "cpu", dtype, seed=m + k) * 3e-6  # inputs up to ~3x the calibrated amax (5): clips
+    kw = dict(formula="vllm", scaling="static", global_encode_scale=g)
+    _same(quantize(x, check=False, backend="triton", **kw), ref.quantize(x, check=False, **kw))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        _same_dq(x, out_dtype, check=False, backend="triton", **kw)
+
+
+# zero blocks, -0.0, ties of the E2M1 grid, values past +-6 and a block past the 448 scale, subnormals
+_EDGE = torch.tensor([[0.0] * 16 + [-0.0] * 16 + [3e38, -1e-38] + [1e-45] * 14,
+                      [-0.0] * 8 + [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0]
+                      + [6.0, -6.0, 7.0, -100.0, 1e-3, -1e-3] + [0.0] * 10 + [-2e4] * 16])
+
+
+@pytest.mark.parametrize("kw", (
+    dict(global_encode_scale=1.0), dict(global_encode_scale=2688 / 6.0), dict(global_encode_scale=3.4e38),
+    dict(global_encode_scale=1e-46),   # 0 in fp32: G = 0, S_dec = recip(0) = 1e-8 (vLLM's 1e8 guard)
+    dict(global_encode_scale=1e-40),   # subnormal: S_dec = inf, 0 * inf = NaN enc -> code 0, NaN values
+    dict(amax=0.0), dict(amax=1e-45),  # amax / 2688 = 0: G = recip(0) = 1e8
+    dict(amax=2.0), dict(amax=1e38)), ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_vllm_static_edge_cases(kw, dtype):
+    x = _EDGE.to(dtype)
+    kw = dict(formula="vllm", scaling="static", **kw)
+    _same(quantize(x, backend="triton", **kw), ref.quantize(x, **kw))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        _same_dq(x, out_dtype, backend="triton", **kw)
+
+
+def test_vllm_dynamic_edge_cases_and_errors():
+    for scaling in ("tensor", "row"):
+        _same(quantize(_EDGE, formula="vllm", scaling=scaling, backend="triton"),
+              ref.quantize(_EDGE, formula="vllm", scaling=scaling))
+        z = torch.zeros(3, 32)                               # amax 0: G = 1e8 by the guard
+        _same(quantize(z, formula="vllm", scaling=scaling, backend="triton"),
+              ref.quantize(z, formula="vllm", scaling=scaling))
+    # G = recip(amax / 2688) overflows for a tiny nonzero amax: the reference raises (on G, before it draws);
+    # unchecked, G = inf gives NaN block scales for zero blocks, and the kernels give them too
+    tiny = torch.tensor([[1e-38] * 16 + [0.0] * 16, [0.0] * 32])
+    for kw in (dict(scaling="tensor"), dict(scaling="row"), dict(scaling="static", amax=1e-38),
+               dict(scaling="static", global_encode_scale=torch.tensor(1e39, dtype=torch.float64))):
+        kw = dict(formula="vllm", rounding="stochastic", **kw)
+        g = torch.Generator().manual_seed(3)
+        with pytest.raises(ValueError, match="global_encode_scale contains NaN or Inf"):
+            quantize(tiny, generator=g, backend="triton", **kw)
+        assert torch.equal(g.get_state(), torch.Generator().manual_seed(3).get_state())
+        q = quantize(tiny, check=False, generator=torch.Generator().manual_seed(1), backend="triton", **kw)
+        r = ref.quantize(tiny, check=False, generator=torch.Generator().manual_seed(1), **kw)
+        assert r.scales.float().isnan().any()
+        _same(q, r)
+    bad = torch.randn(4, 32)
+    bad[1, 3] = float("nan")
+    for kw in (dict(scaling="tensor"), dict(scaling="row"), dict(scaling="static", global_encode_scale=1.0)):
+        with pytest.raises(ValueError, match="input contains NaN or Inf"):
+            quantize(bad, formula="vllm", backend="triton", **kw)
+    with pytest.raises(ValueError, match="exactly one of amax= or global_encode_scale="):
+        quantize(bad, formula="vllm", scaling="static", backend="triton")
+
+
+def test_vllm_operation_order(device="cpu", backend="triton"):
+    """Blocks where another fp32 order gives other bits, at G = 896 (2688 / 3): the scale G * (amax * (1/6))
+    is e4m3 code 109 where (G * amax) * (1/6) gives 108; the codes from enc = recip(s * recip(G)) are 1..4 where
+    vLLM's CUDA form G / s gives 2..5 (s = 2**-9, a subnormal scale)."""
+    x = torch.zeros(2, 16)
+    x[0, 0] = 0.6696428656578064
+    x[1, :5] = torch.tensor([1.3078962183499243e-05, 1.6348702729374054e-06, 2.724784053498297e-06,
+                             3.814697265625e-06, 5.449568106996594e-06])
+    x = x.to(device)
+    kw = dict(formula="vllm", scaling="static", global_encode_scale=torch.tensor(896.0, device=device))
+    r = ref.quantize(x, **kw)
+    assert r.scales.view(torch.uint8)[0, 0] == 109
+    assert (ref.unpack_codes(r.codes)[1, 1:5].cpu() == torch.arange(1, 5)).all()
+    _same(quantize(x, backend=backend, **kw), r)
+    _same_dq(x, torch.bfloat16, backend=backend, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_vllm_bit_exact():
+    """Formula "vllm" on the GPU (the default backend there is Triton): every mode, the sampler's static G as
+    a CUDA tensor, the edge cases (NaN-propagating clamps and subnormal products matter here, not under the
+    interpreter), the operation-order blocks, and quantize_dequantize."""
+    dev = torch.device("cuda")
+    for (m, k), dtype in itertools.product(((67, 2048), (5, 784), (1, 2048)), (torch.float32, torch.bfloat16)):
+        x = spread_input(m, k, dev, dtype, seed=m + k)
+        for scaling, rounding, rht in itertools.product(("tensor", "row", "static", "static-G"),
+                                                        ("nearest", "stochastic"), (False, True)):
+            kw = dict(formula="vllm", rounding=rounding, rht=rht, **_vllm_scaling(scaling))
+            if scaling == "static-G":
+                kw["global_encode_scale"] = kw["global_encode_scale"].to(dev)
+            q = quantize(x, generator=torch.Generator().manual_seed(11), **kw)
+            _same(q, ref.quantize(x, generator=torch.Generator().manual_seed(11), **kw))
+            for out_dtype in (torch.float32, torch.bfloat16):
+                _same_dq(x, out_dtype, **kw)
+    for g, dtype in itertools.product((1.0, 2688 / 6.0, 3.4e38, 1e-46, 1e-40), (torch.float32, torch.bfloat16)):
+        kw = dict(formula="vllm", scaling="static", global_encode_scale=torch.tensor(g, device=dev))
+        x = _EDGE.to(device=dev, dtype=dtype)
+        _same(quantize(x, **kw), ref.quantize(x, **kw))
+        for out_dtype in (torch.float32, torch.bfloat16):
+            _same_dq(x, out_dtype, **kw)
+    test_vllm_operation_order(dev, backend=None)
+    tiny = torch.tensor([[1e-38] * 16 + [0.0] * 16, [0.0] * 32], device=dev)
+    for scaling in ("tensor", "row"):
+        with pytest.raises(ValueError, match="global_encode_scale contains NaN or Inf"):
+            quantize(tiny, formula="vllm", scaling=scaling)
+        _same(quantize(tiny, formula="vllm", scaling=scaling, check=False),
+              ref.quantize(tiny, formula="vllm", scaling=scaling, check=False))
