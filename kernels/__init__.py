@@ -28,7 +28,9 @@ exact pure PyTorch on CPU.
     invariant_gemm(x, w, bias=None, backend=None) -> [M, N]
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
-        inverse-CDF sampling, one draw per row, CUDA-graph safe; one Triton pass set per row without top_p.
+        inverse-CDF sampling, one draw per row, CUDA-graph safe; three Triton passes without top_p.
+    fused_ops: the decode step's non-GEMM ops (RMSNorm with its residual add, q/k norm + rotary + KV-cache
+        write, SiLU * up, the expert sort and the experts' weighted sum), each bitwise its op-by-op reference.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
@@ -38,8 +40,9 @@ from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
 from .sampling import sample_tokens
+from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "gemm_path", "decode_attention", "invariant_attention", "invariant_gemm",
-           "sample_tokens"]
+           "sample_tokens", "fused_ops"]
