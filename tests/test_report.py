@@ -74,7 +74,8 @@ def test_rollout_columns_from_bench_sampler_records(results):
     decode = {"bf16": 2000.0, "minite_nvfp4": 2500.0}
     for arm, tps in decode.items():
         write_json(results / arm / "rollout.json",
-                   {"decode_tokens_per_s": tps, "roofline_frac": tps / 10000, "step_ms": {"median": 64e3 / tps},
+                   {"decode_tokens_per_s": tps, "roofline_frac": tps / 10000,
+                    "step_ms": {"median": 64e3 / tps, "p10": 0.9 * 64e3 / tps, "p90": 1.1 * 64e3 / tps, "n": 63},
                     "cuda_graphs": True, "model": "tiny", "layers": 2, "batch": 64, "prompt_len": 32,
                     "new_tokens": 64, "device": "cpu"})
     df = tables.write_throughput_table(results, ARMS).set_index("arm")
@@ -84,7 +85,9 @@ def test_rollout_columns_from_bench_sampler_records(results):
     assert df.loc["minite_nvfp4", "rollout_step_ms"] == pytest.approx(25.6)
     assert math.isnan(df.loc["naive_te_nvfp4", "rollout_tokens_per_s"])
     md = (results / "throughput_table.md").read_text()
-    assert "## Rollout (decode) throughput" in md and "| minite_nvfp4 | 2,500 | 1.25x |" in md
+    assert "## Rollout (decode) throughput" in md
+    # the ratio's range pairs opposite percentiles: 1.25 * 0.9 / 1.1 = 1.02, 1.25 * 1.1 / 0.9 = 1.53
+    assert "| minite_nvfp4 | 2,500 | 1.25x (1.02-1.53) | 25.600 | 23.040-28.160 | 63 | 25.0% | graphs |" in md
     write_json(results / "bf16" / "rollout.json", {"tokens": 1})
     with pytest.raises(ResultError, match="not a bench-sampler record"):
         tables.write_throughput_table(results, ARMS)

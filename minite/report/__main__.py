@@ -59,8 +59,9 @@ def main(argv=None) -> int:
     if a.name != "kernels" and not a.arms:
         raise SystemExit(f"figure {a.name} needs --arms")
     if a.name == "throughput":
-        figures.throughput_bars(tables.throughput_table(load.load_learner(a.results, a.arms),
-                                                        load.load_rollout(a.results, a.arms)), a.out)
+        learner, rollout = load.load_learner(a.results, a.arms), load.load_rollout(a.results, a.arms)
+        figures.throughput_bars(tables.throughput_table(learner, rollout), a.out,  # both runs' sha in the footer
+                                footer=figures.footer_from([*learner.values(), *rollout.values()]))
     elif a.name == "drift":
         figures.drift(load.load_stability(a.results, a.arms), a.out,
                       load.load_stability_summary(a.results, a.arms, missing="skip"), smooth=a.smooth)

@@ -10,7 +10,8 @@ among the arms requested): the ratio of the medians, with a range from the per-s
 
 Rollout columns (``rollout_*``, NaN for arms without a ``rollout.json`` of ``bench-sampler``): decode tokens/s,
 its ratio to the ``bf16`` arm's, the fraction of the weights' bandwidth roofline reached, the median decode
-step (ms). The rollout setup (model slice, batch) is its own and is stated in the markdown.
+step (ms). The rollout setup (model slice, batch) is its own and is stated in the markdown, with each arm's
+10th-90th percentile step and the ratio's range from them.
 
 The trust rule (``flag``): a row is flagged when it has fewer than ``MIN_STEPS`` timed steps (too few to
 know its spread) or a spread above ``SPREAD_LIMIT`` (10%: a ratio against it can be off by that much);
@@ -147,20 +148,41 @@ THROUGHPUT_HEADER = ["arm", "tokens/s (median)", "interquartile range", "steps",
                      "vs naive TE NVFP4", "step (ms)", "peak mem (GB)", "trust"]
 
 
+def _rollout_ratio(rollout: dict[str, dict], arm: str) -> str:
+    """Decode tokens/s against BF16's (same batch: the ratio of the median steps), with the range of the two
+    runs' 10th-90th percentile step times (this arm's p90 against BF16's p10, and the reverse)."""
+    if arm not in rollout or BF16 not in rollout:
+        return "n/a"
+    a, b = rollout[arm]["step_ms"], rollout[BF16]["step_ms"]
+    if arm == BF16:
+        return "1.00x"
+    text = f"{b['median'] / a['median']:.2f}x"
+    if all(k in s for s in (a, b) for k in ("p10", "p90")):
+        text += f" ({b['p10'] / a['p90']:.2f}-{b['p90'] / a['p10']:.2f})"
+    return text
+
+
+def _step_range(step_ms: dict) -> str:
+    return f"{step_ms['p10']:.3f}-{step_ms['p90']:.3f}" if "p10" in step_ms and "p90" in step_ms else "n/a"
+
+
 def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
     any_rec = next(iter(rollout.values()))
-    rows = [[r.arm, _fmt(r.rollout_tokens_per_s, ",.0f"), _ratio(r.rollout_ratio_vs_bf16),
-             _fmt(r.rollout_step_ms, ",.3f"), _fmt(100 * r.rollout_roofline_frac, ".1f") + "%",
+    rows = [[r.arm, _fmt(r.rollout_tokens_per_s, ",.0f"), _rollout_ratio(rollout, r.arm),
+             _fmt(r.rollout_step_ms, ",.3f"),
+             _step_range(rollout[r.arm]["step_ms"]),
+             str(rollout[r.arm]["step_ms"].get("n", "?")), _fmt(100 * r.rollout_roofline_frac, ".1f") + "%",
              "graphs" if rollout[r.arm].get("cuda_graphs") else "eager"]
             for r in df.itertuples() if r.arm in rollout]
     return ["## Rollout (decode) throughput", "",
             f"`python -m minite bench-sampler`: `{any_rec.get('model')}` ({any_rec.get('layers')} layers), "
             f"{any_rec.get('batch')} sequences, {any_rec.get('prompt_len')}-token prompts, "
             f"{any_rec.get('new_tokens')} new tokens, on {any_rec.get('device')} (this run: {run_label(rollout)}). "
+            "Every decode step is timed; the ratio's range pairs the arms' 10th and 90th percentile steps. "
             "Roofline: tokens/s if every "
             "decode step only read the weights it uses at the copy bandwidth measured in the same run.", "",
-            _md_table(["arm", "decode tokens/s", "vs BF16", "step (ms, median)", "of roofline", "decode path"],
-                      rows)]
+            _md_table(["arm", "decode tokens/s", "vs BF16", "step (ms, median)", "step p10-p90 (ms)", "steps",
+                       "of roofline", "decode path"], rows)]
 
 
 def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
