@@ -3,7 +3,7 @@ exact pure PyTorch on CPU.
 
     quantize(x, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
              rounding="nearest", rht=False, generator=None, check=True, backend=None) -> NVFP4Tensor
-        minite.nvfp4.quantize, bit for bit; fused Triton kernel for formula "te" 1x16 (else the reference).
+        minite.nvfp4.quantize, bit for bit; fused Triton kernels for formulas "te" and "vllm" (else the reference).
     quantize_dequantize(x, out_dtype=torch.bfloat16, ...same...) -> [M, K]
         dequantize(quantize(x, ...)).to(out_dtype), bit for bit, written by the cast pass itself.
     quantize_weight_groups(w, groups, tile=(16, 16)) -> codes, scales, S_dec [groups], BF16 values

@@ -28,7 +28,7 @@ def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.
         if static_scale is None:
             raise ValueError("static activation scaling needs a calibrated scale; run calibration first")
         kw["global_encode_scale" if spec.formula == "vllm" else "amax"] = static_scale
-    return kernels.quantize(x2d, check=check, **kw)  # Triton for te 1x16 on CUDA, else minite.nvfp4
+    return kernels.quantize(x2d, check=check, **kw)  # Triton on CUDA ("te", "vllm"), else minite.nvfp4
 
 
 def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=torch.bfloat16) -> torch.Tensor:
