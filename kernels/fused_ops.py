@@ -25,7 +25,7 @@ pass that writes the (residual-added) input and its squares, torch's mean, one p
 
 Paths: ``backend`` as everywhere in minite.kernels (Triton on CUDA, the reference on CPU, the interpreter
 for "triton" on CPU). The Triton path needs the weight and cache dtypes the sampler uses (weight in x's
-dtype); anything else takes the reference.
+dtype) and, for qk_norm_rope, a head dim that is a power of two; anything else takes the reference.
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     b, t, width = qkv.shape
     d = q_weight.shape[0]
     ok = (_use_triton(backend, qkv) and width == (n_q + 2 * n_kv) * d and qkv.stride(-1) == 1
-          and q_weight.dtype == k_weight.dtype == qkv.dtype and d % 2 == 0
+          and q_weight.dtype == k_weight.dtype == qkv.dtype and d >= 2 and d & (d - 1) == 0  # aranges
           and (cache is None or cache[0].dtype == cache[1].dtype == qkv.dtype)
           and cos.dtype == sin.dtype == (qkv.dtype if mode == "hf" else torch.float32))
     if not ok:

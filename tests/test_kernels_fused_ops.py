@@ -95,6 +95,7 @@ def test_qk_norm_rope_kernel_equals_reference_and_writes_the_cache(mode):
     _check_qk(mode, 2, 3, 4, 2, 32, "cpu")
     _check_qk(mode, 3, 1, 4, 2, 32, "cpu", seed=5, cache_slots=5)  # a decode step into slots 0..4
     _check_qk(mode, 2, 3, 2, 1, 16, "cpu", seed=7, cache_slots=2)  # a prefill
+    _check_qk(mode, 2, 1, 2, 1, 48, "cpu", seed=9, cache_slots=2)  # head dim 48: the reference (no crash)
 
 
 @pytest.mark.parametrize("mode", MODES)
