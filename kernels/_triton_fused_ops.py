@@ -63,6 +63,15 @@ def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.cons
 
 
 @triton.jit
+def _norm_half(x, inv, w, HF: tl.constexpr):
+    """A row (or half a head row)'s RMSNorm output, in the activations' dtype."""
+    h = x.to(tl.float32)
+    if HF:
+        return round_to(w.to(tl.float32) * round_to(h * inv, w.dtype).to(tl.float32), w.dtype)
+    return round_to((h * inv) * w.to(tl.float32), w.dtype)
+
+
+@triton.jit
 def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.constexpr, WRITE_RES: tl.constexpr,
                       BLOCK: tl.constexpr):
     """y = the norm of row r of ``src`` given its mean square ``var[r]``: "hf" w * (h * rsqrt(var + eps)
@@ -72,14 +81,9 @@ def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.conste
     m = cols < N
     sv = tl.load(src + r * src_stride + cols, mask=m, other=0.0)
     wv = tl.load(w + cols, mask=m, other=0.0)
-    h = sv.to(tl.float32)
-    inv = _rsqrtf(tl.load(var + r) + eps)
-    if HF:
-        out = round_to(wv.to(tl.float32) * round_to(h * inv, wv.dtype).to(tl.float32), wv.dtype)
-    else:
-        out = round_to((h * inv) * wv.to(tl.float32), wv.dtype)
-        if WRITE_RES:
-            tl.store(res_out + r * N + cols, round_to(h, wv.dtype), mask=m)
+    out = _norm_half(sv, _rsqrtf(tl.load(var + r) + eps), wv, HF)
+    if WRITE_RES and not HF:
+        tl.store(res_out + r * N + cols, round_to(sv.to(tl.float32), wv.dtype), mask=m)
     tl.store(y + r * N + cols, out, mask=m)
 
 
@@ -94,15 +98,6 @@ def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr):
         tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
     else:
         tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
-
-
-@triton.jit
-def _norm_half(x, inv, w, HF: tl.constexpr):
-    """One half row of a head's RMSNorm output, in the activations' dtype."""
-    h = x.to(tl.float32)
-    if HF:
-        return round_to(w.to(tl.float32) * round_to(h * inv, w.dtype).to(tl.float32), w.dtype)
-    return round_to((h * inv) * w.to(tl.float32), w.dtype)
 
 
 @triton.jit

@@ -112,8 +112,8 @@ def combine_experts_reference(y, perm, weights, mode):
 
 
 # ------------------------------------------------------------------------------------------- dispatch
-def _use_triton(backend, *tensors) -> bool:
-    return _backend.resolve(backend, tensors[0].device) == "triton"
+def _use_triton(backend, x: torch.Tensor) -> bool:
+    return _backend.resolve(backend, x.device) == "triton"
 
 
 def _launch(kernel, grid, *args, **meta):

@@ -31,7 +31,7 @@ from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_ac
 from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
 from minite.kernels import fused_ops
 
-NON_GEMM = ("hf", "vllm")
+NON_GEMM = fused_ops.MODES  # the non-GEMM numerics the fused ops implement
 ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa arms) | float64 (aligned)
 
 
