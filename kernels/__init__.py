@@ -17,8 +17,12 @@ exact pure PyTorch on CPU.
         a @ w.T for NVFP4Tensors a [M, K], w [N, K]; batch invariant and deterministic.
     prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes).
     prepare_experts(ws) -> NVFP4Experts   stacked + pre-decoded fp16 experts (fast large-M grouped path).
-    grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None) -> [M, N]
+    grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None, k_segments=1) -> [M, N]
         MoE: rows sorted by expert, ws a list of NVFP4Tensors or an NVFP4Experts (``stack_experts``).
+    transpose_weight(w) / transpose_experts(ex, shards=1)
+        a 16x16-tiled weight as W^T in 1x16 blocks (same codes and scales): dgrad's NVFP4 weight operand.
+    wgrad_grouped_nvfp4_gemm(a, b, ends, out_dtype=torch.bfloat16, backend=None) -> [E, M, N]
+        MoE wgrad: out[e] = a[:, seg_e] @ b[:, seg_e].T over each expert's token segment, one launch.
     decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scaling, numerics="fast", splits=None,
                      backend=None) -> [B, Hq, D]
         one decode step over a [slots, Hkv, S, D] KV cache, GQA without copies, CUDA-graph safe; "fast" (bf16
@@ -36,6 +40,7 @@ backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and P
 """
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
+from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
 from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight_groups
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
@@ -44,5 +49,6 @@ from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
-           "prepare_experts", "gemm_path", "decode_attention", "invariant_attention", "invariant_gemm",
+           "prepare_experts", "gemm_path", "transpose_weight", "transpose_experts",
+           "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
            "sample_tokens", "fused_ops"]

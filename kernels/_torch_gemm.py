@@ -46,8 +46,9 @@ def gemm(a, w, out_dtype, bias) -> torch.Tensor:
     return epilogue(acc, a.row_global_scale(), w.row_global_scale(), bias, out_dtype)
 
 
-def grouped_gemm(a, ex, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
-    """Loop over experts (the offsets are read on the host: this is the CPU path)."""
+def grouped_gemm(a, ex, offsets: torch.Tensor, out_dtype, k_segments: int = 1) -> torch.Tensor:
+    """Loop over experts (the offsets are read on the host: this is the CPU path). ``k_segments`` > 1: the
+    experts' global scales [E, S] are per K segment (the segment sums, scaled, added in float64)."""
     m = a.codes.shape[0]
     e, n = ex.codes.shape[0], ex.codes.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.codes.device)
@@ -59,6 +60,12 @@ def grouped_gemm(a, ex, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
         if hi == lo:
             continue
         wv = block_values(ex.codes[i], ex.scales[i])
+        if k_segments > 1:
+            seg = wv.shape[1] // k_segments
+            acc = sum(exact_dot(av[lo:hi, s * seg:(s + 1) * seg], wv[:, s * seg:(s + 1) * seg])
+                      * ex.global_scale[i, s].to(torch.float64) for s in range(k_segments))
+            out[lo:hi] = epilogue(acc, ga[lo:hi], wv.new_ones(n), None, out_dtype)
+            continue
         gw = ex.global_scale[i]
         gw = gw.expand(n) if gw.dim() == 0 else gw
         out[lo:hi] = epilogue(exact_dot(av[lo:hi], wv), ga[lo:hi], gw, None, out_dtype)

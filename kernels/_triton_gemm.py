@@ -15,12 +15,17 @@ K-chunk contract (KC > 0, ``gemm.k_chunk``): the same steps, but each KC-wide ch
 zero (part = dot(..., part)) and the chunk sums are added in chunk order, acc = acc + part, from acc = 0: the
 order the CUDA decode kernel reproduces with chunks spread over warps. Still independent of M.
 Grouped (MoE): one launch; axis 0 walks a device-side tile schedule (expert, first row) built without a host
-sync; tiles past the real count exit at once.
+sync; tiles past the real count exit at once. K-grouped (MoE wgrad, ``backward_gemm``): axis 1 is the expert,
+whose K range is its own token segment (one fp32 chain over it), writing its own [M, N] output.
+W_KSEG > 1 (dgrad through fused shards with their own global scales, ``backward_gemm``): K is W_KSEG equal
+segments on whole BK steps, each summed from zero and added, in order, times its W global scale.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._triton_round import round_to
 
 BK = 128  # K step, fixed for every config: part of the batch-invariance contract
 
@@ -94,10 +99,20 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
                     GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                     GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     GROUP_M: tl.constexpr, A_F16: tl.constexpr = False, W_F16: tl.constexpr = False,
-                    KC: tl.constexpr = 0):
+                    KC: tl.constexpr = 0, K_GROUPED: tl.constexpr = False, W_KSEG: tl.constexpr = 1):
     kh = K // 2
     ks = K // 16
-    if GROUPED:
+    k_lo = 0
+    k_hi = K
+    if K_GROUPED:  # axis 1: the group; its K segment [ends[g-1], ends[g]) from offsets_ptr; out [G, M, N]
+        pid_m, pid_n = _l2_tile(n_tiles_m, N, BN, GROUP_M)
+        g = tl.program_id(1)
+        row0 = pid_m * BM
+        row_end = M
+        k_lo = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
+        k_hi = tl.load(offsets_ptr + g)
+        out_ptr += g.to(tl.int64) * M * N
+    elif GROUPED:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + pid_m)
@@ -125,7 +140,15 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
     a_h = a_codes + rows64[:, None] * kp + h[None, :]
     w_h = w_codes + cols64[:, None] * kp + h[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if KC == 0:
+    if K_GROUPED:  # (A_F16: segments on whole BK steps)
+        acc = _k_range(acc, k_lo, k_hi, k_hi, a_c, a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK, A_F16, W_F16)
+    elif W_KSEG > 1:  # W's global scale per K segment: each segment from zero, added times its scale
+        seg = K // W_KSEG
+        for sg in tl.static_range(W_KSEG):
+            part = _k_range(tl.zeros((BM, BN), dtype=tl.float32), sg * seg, (sg + 1) * seg, (sg + 1) * seg, a_c,
+                            a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK, A_F16, W_F16)
+            acc = acc + part * tl.load(gw_ptr + sg)
+    elif KC == 0:
         acc = _k_range(acc, 0, K, kp, a_c, a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK, A_F16, W_F16)
     else:
         for c0 in range(0, K, KC):
@@ -140,12 +163,12 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
         out = out * tl.load(ga_ptr)
     if GW_ROW:
         out = out * tl.load(gw_ptr + cols, mask=nmask, other=0.0)[None, :]
-    else:
+    elif W_KSEG == 1:
         out = out * tl.load(gw_ptr)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rows64[:, None] * N + cols64[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])  # RNE
 
 
 @triton.jit

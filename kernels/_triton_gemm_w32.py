@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._triton_gemm import _l2_tile, _tile_index
+from ._triton_round import round_to
 
 
 @triton.jit
@@ -145,5 +146,5 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + rows64[:, None] * N + cols64[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    tl.store(o_ptrs, round_to(out, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])  # RNE
 

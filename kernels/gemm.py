@@ -376,13 +376,15 @@ def grouped_config_for(a: NVFP4Tensor, ws, backend: str | None = None) -> str:
     return config_name(_grouped_choice(a, ex)[0])
 
 
-def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> torch.Tensor:
+def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segments: int = 1) -> torch.Tensor:
     from . import _cuda_decode
     from . import _triton_gemm as tg
     from . import _w32_launch
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
+    if k_segments > 1 and config is None:  # the Triton kernel's segment loop (not the CUDA decode kernel's)
+        config = _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, False, k)
     cfg, mod, cuda_ok = _grouped_choice(a, ex, config)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
@@ -405,8 +407,8 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
     try:
         if variant in _w32_launch.WORD_VARIANTS:
             return _w32_launch.launch_grouped(a, ex, out, cfg, (tile_e, tile_r, bound, offs32), k_chunk())
-        if variant not in ("decode", "w16", "f16"):
-            raise ValueError(f"unknown grouped GEMM variant {variant!r}")
+        if variant not in ("decode", "w16", "f16") or (k_segments > 1 and variant == "w16"):
+            raise ValueError(f"unknown grouped GEMM variant {variant!r} (or not with K segments)")
         cfg.pop("variant", None)
         bm, bn = cfg.pop("BM"), cfg.pop("BN")
         cfg.pop("GROUP_M", None)
@@ -420,9 +422,9 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
         tg.nvfp4_mm_kernel[(bound, (n + bn - 1) // bn)](
             a_arg, _u8(a.scales), w_arg, scales, ga, gw, ga, out, tile_e, tile_r, offs32,
             m, n, k, 0, ws_c, scales.stride(0), gw.stride(0),
-            GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
+            GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2 and k_segments == 1, HAS_BIAS=False, GROUPED=True,
             BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, A_F16=variant == "f16", W_F16=variant != "decode", KC=k_chunk(),
-            **cfg)
+            W_KSEG=k_segments, **cfg)
     except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
         if config or dev.type == "cpu":
             raise
@@ -430,7 +432,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None) -> tor
         import warnings
         warnings.warn(f"minite.kernels: grouped config {cfg} unusable here ({type(exc).__name__}); using "
                       f"{GROUPED_FALLBACK}", RuntimeWarning, stacklevel=2)
-        return _triton_grouped(a, ex, offsets, out_dtype, GROUPED_FALLBACK)
+        return _triton_grouped(a, ex, offsets, out_dtype, GROUPED_FALLBACK, k_segments)
     return out
 
 
@@ -460,18 +462,25 @@ def nvfp4_gemm(a: NVFP4Tensor, w, out_dtype: torch.dtype = torch.bfloat16,
 
 
 def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                       backend: str | None = None, config: dict | None = None) -> torch.Tensor:
+                       backend: str | None = None, config: dict | None = None, k_segments: int = 1) -> torch.Tensor:
     """MoE GEMM: rows of a [M, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1] and
     out[rows] = a[rows] @ ws[e].T. ``ws``: a list of E NVFP4Tensors [N, K] or an ``NVFP4Experts`` (stacked,
     preferred: a list is stacked on every call). ``offsets``: int [E+1], offsets[0] == 0, non-decreasing,
-    offsets[E] == M; empty groups allowed. a may carry a per-row global scale [M]. One kernel launch."""
+    offsets[E] == M; empty groups allowed. a may carry a per-row global scale [M]. One kernel launch.
+    ``k_segments`` S > 1: the experts' global scales are [E, S], one per equal K segment (K / S a multiple
+    of 128; a transposed weight whose fused shards kept their own scales: ``backward_gemm``): each segment is
+    summed from zero and the segment sums are added in order, each times its scale."""
     ex = stack_experts(ws)
     if ex.codes.dim() != 3 or ex.scales.dim() != 3 or ex.scales.shape[:2] != ex.codes.shape[:2] \
             or ex.scales.shape[2] * 8 != ex.codes.shape[2]:
         raise ValueError(f"stacked experts: codes [E, N, K/2] and scales [E, N, K/16] do not match: "
                          f"{tuple(ex.codes.shape)}, {tuple(ex.scales.shape)}")
     e, n, k = ex.shape
-    if ex.global_scale.dtype != torch.float32 or ex.global_scale.shape not in ((e,), (e, n)):
+    if k_segments > 1:
+        if ex.global_scale.shape != (e, k_segments) or k % (128 * k_segments):
+            raise ValueError(f"k_segments={k_segments}: need global_scale [{e}, {k_segments}] and K % "
+                             f"{128 * k_segments} == 0; got {tuple(ex.global_scale.shape)}, K = {k}")
+    elif ex.global_scale.dtype != torch.float32 or ex.global_scale.shape not in ((e,), (e, n)):
         raise ValueError(f"stacked experts: global_scale must be float32 [{e}] or [{e}, {n}], got "
                          f"{ex.global_scale.dtype} {tuple(ex.global_scale.shape)}")
     _check_common(a, k, ex.codes.device, out_dtype)
@@ -485,6 +494,6 @@ def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: tor
             raise ValueError(f"offsets must start at 0, be non-decreasing and end at M={a.shape[0]}: {o}")
     path = gemm_path(a.device, backend)
     if path == "torch":
-        return _torch_gemm.grouped_gemm(a, ex, offsets, out_dtype)
+        return _torch_gemm.grouped_gemm(a, ex, offsets, out_dtype, k_segments)
     # Blackwell runs the portable decode kernel here too (a per-expert _scaled_mm would need host offsets)
-    return _triton_grouped(a, ex, offsets, out_dtype, config)
+    return _triton_grouped(a, ex, offsets, out_dtype, config, k_segments)

@@ -12,8 +12,12 @@ per-tensor amax per the arm); the grouped GEMM is ``minite.kernels.grouped_nvfp4
 "emulated", dequantize + one BF16 ``torch._grouped_mm``. gate_up's gate and up halves keep separate global
 scales when ``fused_shards: per_shard`` (one NVFP4 tensor per expert with a per-row global scale [2I]).
 Backward: TE's treatment as in ``quant_linear`` — dgrad with SR-quantized dy against the quantized W,
-wgrad per expert with both operands quantized along tokens (RHT), expert segments padded to 16 tokens
-(the quantizer gathers each padded segment from the sorted rows itself: no padded copies).
+wgrad per expert with both operands quantized along tokens (RHT), expert segments zero-padded (the quantizer
+gathers each padded segment from the sorted rows itself: no padded copies). On gemm "kernel" both run on the
+NVFP4 operands: dgrad as a grouped GEMM over the transposed experts (gate and up as two K segments when they
+keep their own scales), wgrad as one token-grouped launch over segments padded to 128 tokens
+(``minite.kernels.wgrad_grouped_nvfp4_gemm``); on "emulated", BF16 ``torch._grouped_mm`` on the dequantized
+values, segments padded to 16.
 """
 from __future__ import annotations
 
@@ -82,25 +86,29 @@ def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
         return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
 
 
-def _padded_layout(offsets: torch.Tensor, rows: int):
+def _padded_layout(offsets: torch.Tensor, rows: int, align: int = 16, fill: bool = True):
     """The wgrad operands' token layout, computed on the device (no host sync; ``rows`` = the sorted rows'
-    count, known from the shapes): every expert's token segment zero-padded to a multiple of 16, an expert
-    without tokens to one block of 16 zero tokens (so no group is empty: its dW is a product of zeros,
-    exactly 0), and the slack of the static width ``ceil16(rows) + 16 E`` appended to the last segment as
-    zero tokens (zero products leave its sums as they are). Returns, for each padded position, the source
-    row (-1 = a zero token; the quantizer's ``gather``) and the padded segment ends (int32 [E], the last =
-    the width)."""
+    count, known from the shapes): every expert's token segment zero-padded to a multiple of ``align``, within
+    a static width ``ceil(rows) + align * E`` (>= the padded total). ``fill`` (for torch._grouped_mm): an expert
+    without tokens gets one block of ``align`` zero tokens (no group is empty: its dW is a product of zeros,
+    exactly 0), and the width's slack is appended to the last segment as zero tokens (zero products leave its
+    sums as they are); else (the NVFP4 kernel) empty segments stay empty and the slack is past the last end.
+    Returns, for each padded position, the source row (-1 = a zero token; the quantizer's ``gather``) and the
+    padded segment ends (int32 [E])."""
     e = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
-    pcounts = ((counts + 15) // 16 * 16).clamp_min(16)
+    pcounts = (counts + align - 1) // align * align
+    if fill:
+        pcounts = pcounts.clamp_min(align)
     pends = torch.cumsum(pcounts, 0)
     pstart = pends - pcounts
-    width = (rows + 15) // 16 * 16 + 16 * e    # >= the padded total, a whole number of 16-token blocks
+    width = (rows + align - 1) // align * align + align * e
     row = torch.arange(rows, device=offsets.device)
     seg = torch.searchsorted(offsets[1:].contiguous(), row.to(offsets.dtype), right=True)
     src = torch.full((width,), -1, dtype=torch.int32, device=offsets.device)
     src[pstart[seg] + row - offsets[:-1][seg]] = row.to(torch.int32)
-    pends = torch.cat([pends[:-1], pends.new_full((1,), width)])   # a device fill: no host-to-device copy
+    if fill:
+        pends = torch.cat([pends[:-1], pends.new_full((1,), width)])   # a device fill: no host-to-device copy
     return src, pends.to(torch.int32)
 
 
@@ -119,26 +127,32 @@ def _wgrad_grouped(dyt, xt, pends, w_dq) -> torch.Tensor:
 class _GroupedNVFP4Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, qw: Q.QWeight, offsets, state):
-        ctx.state = state
-        ctx.save_for_backward(x, qw.dq, offsets)
+        ctx.state, ctx.qw = state, qw
+        ctx.save_for_backward(x, offsets)
         return _grouped_forward(x, qw, offsets, state)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_dq, offsets = ctx.saved_tensors
-        st = ctx.state
-        r = st.recipe
+        x, offsets = ctx.saved_tensors
+        st, qw = ctx.state, ctx.qw
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dy [S, N] @ W_e [N, K]
-            dyq = Q.qdq_grad(dy, st, r.backward_rounding)
-            with st.timed("gemm"):
-                dx = bf16_grouped_mm(dyq, w_dq, offsets[1:]).to(x.dtype)
+            if Q.native_backward(st, qw, dy):
+                dx = Q.dgrad_nvfp4(dy, qw, st, x.dtype, offsets)
+            else:
+                dyq = Q.qdq_grad(dy, st, st.recipe.backward_rounding)
+                with st.timed("gemm"):
+                    dx = bf16_grouped_mm(dyq, qw.dq, offsets[1:]).to(x.dtype)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
-            src, pends = _padded_layout(offsets, x.shape[0])
-            dyt = Q.qdq_tokens(dy, st, r.backward_rounding, r.backward_rht, gather=src)
-            xt = Q.qdq_tokens(x, st, "nearest", r.backward_rht, gather=src)
+            native = st.gemm == "kernel"
+            align = Q._kernels.backward_gemm.SEGMENT_ALIGN if native else 16
+            src, pends = _padded_layout(offsets, x.shape[0], align, fill=not native)
+            dyt, xt = Q.wgrad_operands(dy, x, st, dequantized=not native, gather=src)
             with st.timed("gemm"):
-                dw = _wgrad_grouped(dyt, xt, pends, w_dq)
+                if native:
+                    dw = Q._kernels.wgrad_grouped_nvfp4_gemm(dyt, xt, pends, out_dtype=qw.dq.dtype)
+                else:
+                    dw = _wgrad_grouped(dyt, xt, pends, qw.dq)
         return dx, dw, None, None, None
 
 

@@ -9,8 +9,11 @@ Backward, Transformer Engine's NVFP4 gradient treatment:
                             W in its quantized form (16x16 tiles make W and W^T the same codes).
     wgrad  dW = dy^T x      both operands quantized 1x16 along the token (reduction) dimension, with the
                             16-point RHT when ``backward_rht``; dy with ``backward_rounding``, x with RNE.
-    Backward operands use one dynamic amax per tensor (TE's recipe); their GEMMs run on dequantized BF16
-    operands (what TE does on Hopper; on Blackwell TE would use FP4 tensor cores — same codes).
+    Backward operands use one dynamic amax per tensor (TE's recipe). Their GEMMs follow ``recipe.gemm``:
+    "kernel" (the W4A4 arm) runs them on the NVFP4 operands (``minite.kernels``: exact products, fp32
+    accumulation; W^T from W's 16x16 tiles, ``backward_gemm``), as TE's recipe does on FP4 tensor cores;
+    "emulated" (TE's structure on Hopper) multiplies the dequantized BF16 values. A W in 1x16 blocks (N % 16
+    != 0) has no 1x16 transpose: its dgrad runs on the BF16 values under either.
     Token counts are zero-padded to a multiple of 16 for the wgrad blocks (zero rows add nothing, and the
     Hadamard transform is orthogonal, so padding does not change the product).
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -99,6 +102,9 @@ class QWeight:
     global_scale: torch.Tensor
     dq: torch.Tensor
     prepared: object = None      # minite.kernels' one-time re-layout (prepare_weight / prepare_experts)
+    tile: tuple[int, int] = (16, 16)
+    shards: int = 1              # fused pieces along N with a global scale each (gate/up, per_shard)
+    _transposed: object = field(default=None, repr=False)
 
     def tensor(self, e: int | None = None) -> nvfp4.NVFP4Tensor:
         if e is None:
@@ -117,6 +123,20 @@ class QWeight:
     def gemm_weight(self):
         """What the dense kernel GEMM takes: the prepared weight when there is one (same bits, faster)."""
         return self.prepared if self.prepared is not None else self.tensor()
+
+    def dgrad_weight(self):
+        """W^T in 1x16 blocks along N for dgrad on NVFP4 operands (``kernels.transpose_weight`` /
+        ``transpose_experts``: the same codes and scales), made once per cached weight; None for a W in 1x16
+        blocks (its transpose would need new scales)."""
+        if self.tile != (16, 16):
+            return None
+        if self._transposed is None:
+            if self.codes.dim() == 2:
+                self._transposed = _kernels.transpose_weight(self.tensor())
+            else:
+                self._transposed = _kernels.transpose_experts(_kernels.NVFP4Experts(
+                    self.codes, self.scales, self.global_scale), self.shards)
+        return self._transposed
 
     def prepare(self) -> None:
         """minite.kernels' large-M re-layout (a pre-decoded fp16 copy on the Triton path; a no-op on CPU).
@@ -161,8 +181,8 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec, shards: int = 1) -> QWeigh
         g = gdec if gdec.dim() == 1 else gdec[..., None]
         dq = ((vals * scales.to(torch.float32)[..., None]).view(e, n, k) * g.view(e, -1, 1)).to(torch.bfloat16)
     if squeeze:
-        return QWeight(codes[0], scales[0], gdec[0], dq[0])
-    return QWeight(codes, scales, gdec, dq)
+        return QWeight(codes[0], scales[0], gdec[0], dq[0], tile=tuple(tile))
+    return QWeight(codes, scales, gdec, dq, tile=tuple(tile), shards=nshard)
 
 
 class WeightCache:
@@ -206,12 +226,16 @@ def qdq_act(x2d: torch.Tensor, state: QuantState) -> torch.Tensor:
                                             **state.recipe.activations.quantize_kwargs())
 
 
-def _qdq(x, state: QuantState, rounding: str, rht: bool, **operand) -> torch.Tensor:
+def _grad_cast(x, state: QuantState, rounding: str, rht: bool, dequantized: bool, **operand):
+    """A backward operand in 1x16 blocks, tensor amax, formula "te": NVFP4 codes, or (``dequantized``) the
+    BF16 values the emulated GEMMs multiply. SR seeds come from the trainer's generator, in call order."""
     state.act_quantizations += 1
-    gen = state.generator if rounding == "stochastic" else None
+    kw = dict(formula="te", tile=(1, 16), scaling="tensor", rounding=rounding, rht=rht, check=False,
+              generator=state.generator if rounding == "stochastic" else None, **operand)
     with state.timed("quantize", "grad"):
-        return _kernels.quantize_dequantize(x, torch.bfloat16, formula="te", tile=(1, 16), scaling="tensor",
-                                            rounding=rounding, rht=rht, generator=gen, check=False, **operand)
+        if dequantized:
+            return _kernels.quantize_dequantize(x, torch.bfloat16, **kw)
+        return _kernels.quantize(x, **kw)
 
 
 def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = False) -> torch.Tensor:
@@ -219,24 +243,43 @@ def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = Fa
     K % 16 != 0 (a tiny router's N = 8 as dgrad's K) leaves it in BF16."""
     if x2d.shape[1] % 16:
         return x2d.to(torch.bfloat16)
-    return _qdq(x2d, state, rounding, rht)
+    return _grad_cast(x2d, state, rounding, rht, True)
 
 
-def qdq_tokens(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool,
-               gather: torch.Tensor | None = None) -> torch.Tensor:
-    """A wgrad operand: x2d [M, C] quantize-dequantized along the token dimension -> BF16 [C, M'], i.e.
-    ``qdq_grad(pad16(x2d).t())`` (or, with ``gather``, of ``x2d[gather].t()``, -1 = a zero token) read
-    straight from x2d: no padding copy, no transpose copy."""
+def quantize_tokens(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool,
+                    gather: torch.Tensor | None = None, dequantized: bool = False):
+    """A wgrad operand: x2d [M, C] quantized along the token dimension -> [C, M'] (NVFP4, or BF16 values
+    when ``dequantized``), i.e. of ``pad16(x2d).t()`` (or, with ``gather``, of ``x2d[gather].t()``, -1 = a
+    zero token) read straight from x2d: no padding copy, no transpose copy."""
     width = None if gather is not None else -(-x2d.shape[0] // 16) * 16
-    return _qdq(x2d.t(), state, rounding, rht, width=width, gather=gather)
+    return _grad_cast(x2d.t(), state, rounding, rht, dequantized, width=width, gather=gather)
 
 
-def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState):
-    """(dy^T, x^T) quantize-dequantized along the token dimension, BF16 [N, M'], [K, M'] (M' = M padded to
-    a multiple of 16 with zero tokens)."""
+def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState, dequantized: bool,
+                   gather: torch.Tensor | None = None):
+    """(dy^T, x^T) quantized along the token dimension ([N, M'], [K, M'], M' = M padded to a multiple of 16
+    with zero tokens, or the ``gather`` layout): dy with the recipe's rounding, x with RNE, both with its RHT."""
     r = state.recipe
-    return (qdq_tokens(dy2d, state, r.backward_rounding, r.backward_rht),
-            qdq_tokens(x2d, state, "nearest", r.backward_rht))
+    return (quantize_tokens(dy2d, state, r.backward_rounding, r.backward_rht, gather, dequantized),
+            quantize_tokens(x2d, state, "nearest", r.backward_rht, gather, dequantized))
+
+
+def native_backward(state: QuantState, qw: QWeight, dy: torch.Tensor) -> bool:
+    """The backward GEMMs run on NVFP4 operands: the arm's GEMM is the W4A4 kernel and W has a 1x16 W^T."""
+    return state.gemm == "kernel" and dy.shape[1] % 16 == 0 and qw.dgrad_weight() is not None
+
+
+def dgrad_nvfp4(dy: torch.Tensor, qw: QWeight, state: QuantState, out_dtype,
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """dx = dy W on NVFP4 operands: dy quantized 1x16 along N with the recipe's rounding, W^T from W's tiles;
+    ``offsets``: the experts' grouped GEMM (fused pieces with their own scales as K segments)."""
+    dyq = _grad_cast(dy, state, state.recipe.backward_rounding, False, False)
+    wt = qw.dgrad_weight()
+    with state.timed("gemm"):
+        if offsets is None:
+            return _kernels.nvfp4_gemm(dyq, wt, out_dtype=out_dtype)
+        return _kernels.grouped_nvfp4_gemm(dyq, wt, offsets, out_dtype=out_dtype,
+                                           k_segments=wt.global_scale.shape[1] if wt.global_scale.dim() == 2 else 1)
 
 
 def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -> torch.Tensor:
@@ -255,23 +298,30 @@ def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, qw: QWeight, state: QuantState):
-        ctx.state = state
-        ctx.save_for_backward(x2d, qw.dq)
+        ctx.state, ctx.qw = state, qw
+        ctx.save_for_backward(x2d)
         return forward_gemm(x2d, qw, state, out_dtype=x2d.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, w_dq = ctx.saved_tensors
-        st = ctx.state
+        (x2d,) = ctx.saved_tensors
+        st, qw = ctx.state, ctx.qw
+        native = native_backward(st, qw, dy)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq = qdq_grad(dy, st, st.recipe.backward_rounding)
-            with st.timed("gemm"):
-                dx = torch.matmul(dyq, w_dq).to(x2d.dtype)
+            if native:
+                dx = dgrad_nvfp4(dy, qw, st, x2d.dtype)
+            else:
+                dyq = qdq_grad(dy, st, st.recipe.backward_rounding)
+                with st.timed("gemm"):
+                    dx = torch.matmul(dyq, qw.dq).to(x2d.dtype)
         if ctx.needs_input_grad[1]:
-            dyt, xt = wgrad_operands(dy, x2d, st)
+            dyt, xt = wgrad_operands(dy, x2d, st, dequantized=st.gemm != "kernel")
             with st.timed("gemm"):
-                dw = torch.matmul(dyt, xt.T).to(w_dq.dtype)
+                if st.gemm == "kernel":
+                    dw = _kernels.nvfp4_gemm(dyt, xt, out_dtype=qw.dq.dtype)
+                else:
+                    dw = torch.matmul(dyt, xt.T).to(qw.dq.dtype)
         return dx, dw, None, None
 
 
