@@ -36,8 +36,8 @@ def transpose_tiled(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Te
     k = 2 * kh
     if n % 16:
         raise ValueError(f"16x16 tiles need N % 16 == 0, got N = {n}")
-    vals = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(*lead, n, k).transpose(-1, -2)
-    codes_t = (vals[..., 0::2] | (vals[..., 1::2] << 4)).contiguous()
+    pairs = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(*lead, n // 2, 2, k)  # rows 2i, 2i+1
+    codes_t = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).transpose(-1, -2).contiguous()  # pack along N, then move
     tile = _u8(scales).reshape(*lead, n // 16, 16, k // 16)[..., 0, :]          # [..., N/16, K/16]
     scales_t = tile.transpose(-1, -2).repeat_interleave(16, dim=-2).contiguous()  # [..., K, N/16]
     return codes_t, scales_t.view(torch.float8_e4m3fn)

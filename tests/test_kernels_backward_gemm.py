@@ -135,11 +135,10 @@ def test_gpu_backward_gemms():
         dense = nvfp4_gemm(_cols(a, lo, hi), _cols(b, lo, hi), torch.float32, config=dict(WGRAD_CONFIG, variant="f16"))
         assert torch.equal(out[e], dense)
     e_, k, seg = 4, 256, 384
+    tiles = (torch.rand(e_, 2 * seg // 16, k // 16) * 4 + 0.5).to(torch.float8_e4m3fn)   # one scale per 16x16
     ex = NVFP4Experts(torch.randint(0, 256, (e_, 2 * seg, k // 2), dtype=torch.uint8),
-                      (torch.rand(e_, 2 * seg, k // 16) * 4 + 0.5).to(torch.float8_e4m3fn).repeat_interleave(1, 0),
-                      torch.rand(e_, 2 * seg) + 0.5)
-    ex.scales = ex.scales.view(e_, 2 * seg // 16, 1, k // 16).expand(-1, -1, 16, -1).reshape(e_, 2 * seg, k // 16)
-    ex.global_scale = ex.global_scale[:, ::seg].repeat_interleave(seg, dim=1).contiguous()
+                      tiles.view(torch.uint8).repeat_interleave(16, dim=1).view(torch.float8_e4m3fn),
+                      (torch.rand(e_, 2) + 0.5).repeat_interleave(seg, dim=1))
     wt = transpose_experts(ex, shards=2)
     x = _q(1000, 2 * seg, 5, scaling="row")
     offs = torch.tensor([0, 100, 100, 700, 1000])

@@ -126,16 +126,19 @@ class QWeight:
 
     def dgrad_weight(self):
         """W^T in 1x16 blocks along N for dgrad on NVFP4 operands (``kernels.transpose_weight`` /
-        ``transpose_experts``: the same codes and scales), made once per cached weight; None for a W in 1x16
-        blocks (its transpose would need new scales)."""
+        ``transpose_experts``: the same codes and scales), made once per cached weight, and re-laid out for
+        large M when W is (``prepare``: the per-update cache); None for a W in 1x16 blocks (its transpose
+        would need new scales)."""
         if self.tile != (16, 16):
             return None
         if self._transposed is None:
             if self.codes.dim() == 2:
-                self._transposed = _kernels.transpose_weight(self.tensor())
+                t = _kernels.transpose_weight(self.tensor())
+                self._transposed = _kernels.prepare_weight(t) if self.prepared is not None else t
             else:
-                self._transposed = _kernels.transpose_experts(_kernels.NVFP4Experts(
-                    self.codes, self.scales, self.global_scale), self.shards)
+                t = _kernels.transpose_experts(_kernels.NVFP4Experts(self.codes, self.scales, self.global_scale),
+                                               self.shards)
+                self._transposed = _kernels.prepare_experts(t) if self.prepared is not None else t
         return self._transposed
 
     def prepare(self) -> None:
