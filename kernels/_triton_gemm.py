@@ -109,8 +109,9 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
         g = tl.program_id(1)
         row0 = pid_m * BM
         row_end = M
-        k_lo = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0)
-        k_hi = tl.load(offsets_ptr + g)
+        # the bounds are whole BK steps (the caller's contract): the hint keeps the loads 16-byte vectors
+        k_lo = tl.multiple_of(tl.load(offsets_ptr + g - 1, mask=g > 0, other=0), BK)
+        k_hi = tl.multiple_of(tl.load(offsets_ptr + g), BK)
         out_ptr += g.to(tl.int64) * M * N
     elif GROUPED:
         pid_m = tl.program_id(0)
@@ -143,7 +144,7 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
     if K_GROUPED:  # (A_F16: segments on whole BK steps)
         acc = _k_range(acc, k_lo, k_hi, k_hi, a_c, a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK, A_F16, W_F16)
     elif W_KSEG > 1:  # W's global scale per K segment: each segment from zero, added times its scale
-        seg = K // W_KSEG
+        seg = tl.multiple_of(K // W_KSEG, BK)  # whole BK steps (checked by the caller)
         for sg in tl.static_range(W_KSEG):
             part = _k_range(tl.zeros((BM, BN), dtype=tl.float32), sg * seg, (sg + 1) * seg, (sg + 1) * seg, a_c,
                             a_s, w_c, w_s, a_h, w_h, rmask, nmask, j, ks, BK, A_F16, W_F16)
