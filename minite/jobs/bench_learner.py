@@ -34,9 +34,10 @@ NOTES = {
                       "itself would use FP4 tensor cores only on Blackwell. With micro-batching te.Linear "
                       "without is_first_microbatch re-quantizes per micro-batch: --weight-cache per_update "
                       "gives the fairer bound (see weight_cache / weight_quantizations_per_update).",
-    "minite_nvfp4": "Weights quantized once per update; forward W4A4 GEMMs through minite.kernels (Triton on "
-                    "Hopper: FP4 codes decoded in-register, no FP4 tensor cores); backward GEMMs on the BF16 "
-                    "values the fused gradient casts write (the same codes; exact products, cuBLAS order).",
+    "minite_nvfp4": "Weights quantized once per update; every W4A4 GEMM, forward and backward (dgrad on W^T "
+                    "from the 16x16 tiles, wgrad on token-quantized operands, experts grouped), through "
+                    "minite.kernels on the NVFP4 codes (Triton on Hopper: codes decoded to exact fp16 values, "
+                    "fp16 tensor cores, fp32 accumulation in a fixed order; no FP4 tensor cores).",
     "bf16": "BF16 reference: HF modules, torch grouped_mm experts.",
 }
 NOTES["naive_te_nvfp4_tis"] = NOTES["naive_te_nvfp4_blanket"] = NOTES["naive_te_nvfp4"]   # the same learner
@@ -159,7 +160,8 @@ def run(args) -> int:
         "step_split_ms": {k: split(k) for k in ("quantize", "gemm", "other", "optimizer")},
         "step_split_note": "medians over timed steps; CUDA events on GPU, host clock on CPU. quantize = NVFP4 "
                            "weight/activation/gradient quantization inside minite's modules; gemm = their "
-                           "NVFP4 GEMMs, forward and backward (the emulated path's dequantize included); "
+                           "NVFP4 GEMMs, forward and backward (the kernel path's fp16 decode passes and the "
+                           "emulated path's dequantize included); "
                            "null for BF16, whose GEMMs run inside HF modules; other = the rest of forward/"
                            "backward (attention, norms, BF16 GEMMs, fp32 grad accumulation); optimizer = "
                            "grad-norm clip + AdamW + master->BF16 copy",
