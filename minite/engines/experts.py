@@ -83,7 +83,7 @@ def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
             return bf16_grouped_mm(a, qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
     a = Q.quantize_act(x, state)
     with state.timed("gemm"):
-        return grouped_nvfp4(a, qw, offsets, out_dtype=torch.float32).to(x.dtype)  # as gemm.nvfp4_linear
+        return grouped_nvfp4(a, qw, offsets, out_dtype=x.dtype)  # rounded from fp32 in the epilogue, as the sampler
 
 
 def _padded_layout(offsets: torch.Tensor, rows: int, align: int = 16, fill: bool = True):

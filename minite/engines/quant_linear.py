@@ -293,9 +293,9 @@ def forward_gemm(x2d: torch.Tensor, qw: QWeight, state: QuantState, out_dtype) -
             return torch.matmul(a, qw.dq.T).to(out_dtype)
     a = quantize_act(x2d, state)
     with state.timed("gemm"):
-        # fp32 out, then one cast: exactly gemm.nvfp4_linear, the op the sampler runs (one rounding step
-        # less would change ties: float64 -> bf16 directly is not float64 -> fp32 -> bf16)
-        return G.nvfp4_gemm(a, qw.gemm_weight(), state.gemm, out_dtype=torch.float32).to(out_dtype)
+        # the epilogue rounds its fp32 result to out_dtype (every path rounds to fp32 first): the bits of
+        # gemm.nvfp4_linear, the op the sampler runs, without an fp32 buffer and a cast pass
+        return G.nvfp4_gemm(a, qw.gemm_weight(), state.gemm, out_dtype=out_dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
