@@ -28,7 +28,8 @@ _DECL = """
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
                            int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
-                           int64_t chunk_log2, int64_t lanes, int64_t grid_y, int64_t offsets, int64_t offsets64,
+                           int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
+                           int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
                            int64_t stream);
 """
@@ -36,6 +37,7 @@ _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
 TILES = (1, 2, 4)       # n8 token tiles per CTA compiled in
 LANES = (1, 2, 4, 8)    # warps sharing a row group's K chunks (chunked contract only)
+ROW_GROUPS = (1, 2, 4, 8, 16)  # row groups of 16 weight rows a warp runs one after another per token tile
 
 
 def enabled() -> bool:
@@ -104,6 +106,12 @@ def lanes_for(cfg: dict, nsteps: int, chunk_steps: int) -> int:
     return lanes
 
 
+def row_groups_for(cfg: dict, nsteps: int, seg: int, chunk_steps: int) -> int:
+    """Row groups a warp runs in sequence per token tile: the config's RG under one chain over K with all of
+    K's token fragments resident (the ring and the register pipeline run on into the next row group), else 1."""
+    return cfg.get("RG", 1) if not chunk_steps and seg >= nsteps else 1
+
+
 def smem_bytes(cfg: dict, nsteps: int, seg: int, chunk_steps: int, lanes: int, n_experts: int = 0) -> int:
     """Dynamic shared memory of a launch (``Layout`` in the kernel): the warps' rings, one or two token
     buffers, the chunk sums (chunk lanes only), the grouped tile list."""
@@ -144,7 +152,7 @@ def _check(cfg: dict) -> tuple[int, int, int]:
     nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
     lanes = cfg.get("C", 1)
     if (nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or lanes not in LANES
-            or warps % lanes or units_per_thread(nt) * warps < nt):
+            or warps % lanes or units_per_thread(nt) * warps < nt or cfg.get("RG", 1) not in ROW_GROUPS):
         raise ValueError(f"bad CUDA decode GEMM config {cfg}")
     return nt, depth, warps
 
@@ -158,22 +166,26 @@ def chunk_log2(chunk_steps: int) -> int:
     return chunk_steps.bit_length() - 1
 
 
-def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, offsets=None,
-          strides=(0, 0, 0)):
-    nt, depth, warps = _check(cfg)
+def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0) -> tuple[int, int, int]:
+    """(chunk lanes, K steps per token segment, row groups per warp) of a launch on this GPU."""
     nsteps, chunk_steps = k // STEP_K, chunk // STEP_K
     lanes = lanes_for(cfg, nsteps, chunk_steps)
-    if lanes > 1 and not chunk_steps:
-        raise ValueError(f"CUDA decode GEMM config {cfg}: chunk lanes need the K-chunk contract (gemm.k_chunk)")
+    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(device_index), n_experts)
+    return lanes, seg, row_groups_for(cfg, nsteps, seg, chunk_steps)
+
+
+def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, shape, offsets=None,
+          strides=(0, 0, 0)):
+    nt, depth, warps = _check(cfg)
+    lanes, seg, rg = shape
     offs, offs64, n_experts = 0, 0, 0
     if offsets is not None:
         offs, offs64, n_experts = offsets.data_ptr(), int(offsets.dtype == torch.int64), offsets.numel() - 1
-    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(out.device.index), n_experts)
     rc = mod.decode_gemm_launch(
         a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
-        chunk_log2(chunk_steps), lanes, grid_y, offs, offs64, n_experts, *strides,
+        chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides,
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
@@ -188,7 +200,8 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0) -> torch.Tensor:
     ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
-    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk)
+    shape = plan(cfg, k, chunk, out.device.index)
+    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk, shape)
 
 
 def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -> torch.Tensor:
@@ -201,9 +214,10 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
     tile_rows = TOKENS_PER_TILE * cfg["NT"]
     bound = min(m, -(-m // tile_rows) + e)  # tiles that can hold rows
-    lanes = lanes_for(cfg, k // STEP_K, chunk // STEP_K)
-    groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes))
+    shape = plan(cfg, k, chunk, out.device.index, e)
+    lanes, _, rg = shape
+    groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes * rg))
     grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
     strides = (ex.codes.stride(0), ex.scales.stride(0), gw.stride(0))
-    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, offsets.contiguous(),
-                 strides)
+    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,
+                 offsets.contiguous(), strides)

@@ -215,27 +215,32 @@ def my_steps(nsteps: int, lanes: int, chunk_steps: int, c: int) -> list[int]:
 
 
 class _Lane:
-    """One warp lane c of a row group in the kernel's main loop (its names: ji, si, the ring, the pipeline
-    registers a0/a1 and w0/w1, seg_s0 / seg_buf and the segment switches)."""
+    """One warp lane c of a row group in the kernel's main loop (its names: ji, si, ri, the ring, the pipeline
+    registers a0/a1 and w0/w1, seg_s0 / seg_buf and the segment switches), over ``nrg`` row groups in sequence.
+    Steps are (row group, K step) pairs."""
 
-    def __init__(self, nsteps, lanes, chunk_steps, seg, depth, c):
-        self.nsteps, self.lanes, self.seg, self.depth, self.c = nsteps, lanes, seg, depth, c
+    def __init__(self, nsteps, lanes, chunk_steps, seg, depth, c, nrg=1):
+        self.nsteps, self.lanes, self.seg, self.depth, self.c, self.nrg = nsteps, lanes, seg, depth, c, nrg
         self.chunked = chunk_steps > 0
+        assert nrg == 1 or (not self.chunked and seg >= nsteps), "row groups in sequence: one chain, all of K"
         self.lcs = (chunk_steps.bit_length() - 1) if self.chunked else 20
         self.cs = 1 << self.lcs
-        self.steps = my_steps(nsteps, lanes, chunk_steps, c)
-        self.ring = [None] * depth  # slot -> (my step index, K step) of the last copy into it
-        self.ji, self.si, self.landed = 0, c << self.lcs, -1
+        self.steps = [(i, s) for i in range(nrg) for s in my_steps(nsteps, lanes, chunk_steps, c)]
+        self.ring = [None] * depth  # slot -> (my step index, (row group, K step)) of the last copy into it
+        self.ji, self.si, self.ri, self.landed = 0, c << self.lcs, 0, -1
         self.seg_s0 = self.seg_buf = self.switches = 0
-        self.consumed, self.part, self.chunk_sums = [], [], []
+        self.consumed, self.part, self.chunk_sums, self.sums_per_group = [], [], [], []
         self.regs = {}
 
     def issue_next(self):
         if self.ji < len(self.steps):
-            assert self.si == self.steps[self.ji], (self.ji, self.si, self.steps)
-            self.ring[self.ji & (self.depth - 1)] = (self.ji, self.si)
+            assert (self.ri, self.si) == self.steps[self.ji], (self.ji, self.ri, self.si, self.steps)
+            self.ring[self.ji & (self.depth - 1)] = (self.ji, (self.ri, self.si))
         self.ji += 1
-        self.si += (self.lanes - 1) * self.cs + 1 if ((self.si + 1) & (self.cs - 1)) == 0 else 1
+        if self.si + 1 == self.nsteps and self.ri + 1 < self.nrg:
+            self.si, self.ri = 0, self.ri + 1
+        else:
+            self.si += (self.lanes - 1) * self.cs + 1 if ((self.si + 1) & (self.cs - 1)) == 0 else 1
 
     def wait(self):  # cp.async.wait_group D - 3: all but the newest D - 3 groups landed
         self.landed = self.ji - 1 - (self.depth - 3)
@@ -249,14 +254,14 @@ class _Lane:
     def switch_segment(self):
         self.seg_s0, self.seg_buf, self.switches = self.seg_s0 + self.seg, self.seg_buf ^ 1, self.switches + 1
 
-    def step(self, a, a_next, w, w_next, s, j):
+    def step(self, a, a_next, w, w_next, s, j, i):
         self.issue_next()
         assert self.ji == j + self.depth  # the refill: my step j + D - 1, into the slot of step j - 1
         self.wait()
         self.regs[w_next] = self.gather(j + 2)
         off = s - self.seg_s0
         assert 0 <= off < self.seg and self.seg_buf == self.switches & 1  # buffer seg_buf: segment `switches`
-        self.consumed.append((s, self.regs[a], self.switches * self.seg + off))
+        self.consumed.append(((i, s), self.regs[a], (i, self.switches * self.seg + off)))
         self.part.append(s)
         self.regs[a_next] = self.regs[w]
 
@@ -266,55 +271,60 @@ class _Lane:
         self.wait()
         self.regs = {"a0": self.gather(0), "w0": self.gather(1)}
         nchunks = -(-self.nsteps // self.cs)
-        j = run = 0
-        while True:
-            if self.chunked:
-                if self.c + run * self.lanes >= nchunks:
-                    break
-                s0 = (self.c + run * self.lanes) << self.lcs
-                s1 = min(s0 + self.cs, self.nsteps)
-                while s0 >= self.seg_s0 + self.seg:
+        j = 0
+        for i in range(self.nrg):
+            self.part, run = [], 0
+            while True:
+                if self.chunked:
+                    if self.c + run * self.lanes >= nchunks:
+                        break
+                    s0 = (self.c + run * self.lanes) << self.lcs
+                    s1 = min(s0 + self.cs, self.nsteps)
+                    while s0 >= self.seg_s0 + self.seg:
+                        self.switch_segment()
+                    self.part = []
+                else:
+                    s0 = self.seg_s0
+                    if s0 >= self.nsteps:
+                        break
+                    s1 = min(s0 + self.seg, self.nsteps)
+                s = s0
+                while s + 1 < s1:
+                    self.step("a0", "a1", "w0", "w1", s, j, i)
+                    self.step("a1", "a0", "w1", "w0", s + 1, j + 1, i)
+                    s, j = s + 2, j + 2
+                if s < s1:
+                    self.step("a0", "a1", "w0", "w1", s, j, i)
+                    j += 1
+                    self.regs["a0"], self.regs["w0"] = self.regs["a1"], self.regs["w1"]
+                if self.chunked:
+                    self.chunk_sums.append((s0 >> self.lcs, list(self.part)))
+                else:
+                    if s1 >= self.nsteps:
+                        break
                     self.switch_segment()
-                self.part = []
-            else:
-                s0 = self.seg_s0
-                if s0 >= self.nsteps:
-                    break
-                s1 = min(s0 + self.seg, self.nsteps)
-            s = s0
-            while s + 1 < s1:
-                self.step("a0", "a1", "w0", "w1", s, j)
-                self.step("a1", "a0", "w1", "w0", s + 1, j + 1)
-                s, j = s + 2, j + 2
-            if s < s1:
-                self.step("a0", "a1", "w0", "w1", s, j)
-                j += 1
-                self.regs["a0"], self.regs["w0"] = self.regs["a1"], self.regs["w1"]
-            if self.chunked:
-                self.chunk_sums.append((s0 >> self.lcs, list(self.part)))
-            else:
-                if s1 >= self.nsteps:
-                    break
+                run += 1
+            while self.seg_s0 + self.seg < self.nsteps:
                 self.switch_segment()
-            run += 1
-        while self.seg_s0 + self.seg < self.nsteps:
-            self.switch_segment()
+            self.sums_per_group.append(list(self.part))
         return self
 
 
-def simulate_row_group(nsteps: int, lanes: int, chunk_steps: int, seg: int, depth: int) -> dict:
-    """The kernel's main loop for the ``lanes`` warps of one row group, with the same cursor arithmetic
-    (``issue_next``, the runs, ``switch_segment``, the register pipeline and its odd-run copy). Returns, per
-    lane, (K step, step whose weight words made the fragments, step whose token fragments were read) for each
-    step of its mma chain, and its segment switches (barriers); and the chunk sums (lists of K steps) in the
-    order the fold adds them. Asserts what the ring relies on as it goes: a gathered slot holds the step it
-    should, copied by a group the last cp.async wait covered; a token read falls in the segment the current
-    buffer holds."""
-    sims = [_Lane(nsteps, lanes, chunk_steps, seg, depth, c).run() for c in range(lanes)]
+def simulate_row_group(nsteps: int, lanes: int, chunk_steps: int, seg: int, depth: int, nrg: int = 1) -> dict:
+    """The kernel's main loop for the ``lanes`` warps of one row group (or, with ``nrg`` > 1, one warp's row
+    groups in sequence), with the same cursor arithmetic (``issue_next``, the runs, ``switch_segment``, the
+    register pipeline and its odd-run copy). Returns, per lane, ((row group, K step), the step whose weight
+    words made the fragments, (row group, step) whose token fragments were read) for each step of its mma
+    chain, its segment switches (barriers) and the K steps summed into each row group's result; and the chunk
+    sums (lists of K steps) in the order the fold adds them. Asserts what the ring relies on as it goes: a
+    gathered slot holds the step it should, copied by a group the last cp.async wait covered; a token read
+    falls in the segment the current buffer holds."""
+    sims = [_Lane(nsteps, lanes, chunk_steps, seg, depth, c, nrg).run() for c in range(lanes)]
     sums = {}
     for sim in sims:
         for q, steps in sim.chunk_sums:
             assert q not in sums
             sums[q] = steps
     fold = [sums[q] for q in sorted(sums)] if chunk_steps else [sims[0].part]
-    return dict(lanes=[dict(consumed=x.consumed, switches=x.switches) for x in sims], fold=fold)
+    return dict(lanes=[dict(consumed=x.consumed, switches=x.switches, groups=x.sums_per_group) for x in sims],
+                fold=fold)

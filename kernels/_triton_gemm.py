@@ -102,8 +102,6 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
                     KC: tl.constexpr = 0, K_GROUPED: tl.constexpr = False, W_KSEG: tl.constexpr = 1):
     kh = K // 2
     ks = K // 16
-    k_lo = 0
-    k_hi = K
     if K_GROUPED:  # axis 1: the group; its K segment [ends[g-1], ends[g]) from offsets_ptr; out [G, M, N]
         pid_m, pid_n = _l2_tile(n_tiles_m, N, BN, GROUP_M)
         g = tl.program_id(1)

@@ -12,7 +12,10 @@
 //       one after another in chunk order, from 0.0f, in fp32 (the Triton kernels' ``acc = acc + part``);
 //   * epilogue ((acc * 2^28) * ga) * gw (+ bias, fused into the last multiply, as Triton does), then the cast.
 // Work split: a CTA holds R = W / C row groups of 16 weight rows (the mma's M side; tokens are its N side, 8 per
-// n8 tile, NT tiles per CTA). Without chunks C = 1: one warp per row group runs the whole chain. With chunks
+// n8 tile, NT tiles per CTA), or R x RG when each warp runs RG row groups (rows 16 (x0 + i R), i < RG) one after
+// another: its ring and register pipeline run on from one row group's last K step into the next one's first,
+// and the token fragments stay in shared memory, so a tile's fixed costs (ring fill, token decode, barriers)
+// are paid once per RG row groups (short K, few tokens per expert). Without chunks C = 1: one warp per row group runs the whole chain. With chunks
 // the C warps of a row group take chunks c, c + C, c + 2C, ... (more warps per row: all SMs busy at M = 1)
 // and leave each chunk sum in shared memory; after one barrier the group's first warp adds them in chunk
 // order (C = 1: the warp adds them as it goes, same order). Deterministic, and no chunk depends on M.
@@ -53,6 +56,8 @@ struct Params {
   int seg;                       // K steps per token-fragment segment (K / 128: all of K at once)
   int chunk_log2;                // log2 of the K chunk in 128-wide steps; -1: one chain over all of K
   int lanes;                     // C: warps per row group (chunk lanes); 1 without chunks
+  int row_groups;                // RG: row groups a warp runs one after another per token tile (one chain and
+                                 // all of K's token fragments in shared memory; else 1)
   // grouped: expert e owns rows offsets[e] .. offsets[e + 1] (int32 or int64), cut into tiles of 8 NT rows;
   // every CTA lists the tiles itself (a scan of the offsets): one launch, no host sync, no schedule kernels
   const void* offsets;
@@ -211,17 +216,23 @@ __device__ __forceinline__ int64_t offset_at(const Params& p, int e) {
   return p.offsets64 ? static_cast<const int64_t*>(p.offsets)[e] : static_cast<const int*>(p.offsets)[e];
 }
 
-// tile_start[e] = tiles of experts 0 .. e-1 (exclusive scan, one warp, 32 experts a round); tile_start[E] = all
+template <int NT>
+__device__ __forceinline__ int tiles_of(const Params& p, int e) {
+  if (e >= p.E) return 0;
+  const int64_t rows = offset_at(p, e + 1) - offset_at(p, e);
+  return rows > 0 ? static_cast<int>((rows + 8 * NT - 1) / (8 * NT)) : 0;
+}
+
+// tile_start[e] = tiles of experts 0 .. e-1 (exclusive scan, one warp, 32 experts a round); tile_start[E] = all.
+// The first kPre rounds' offsets are loaded up front, all in flight at once (one memory latency, not one each).
 template <int NT>
 __device__ void scan_tiles(const Params& p, int* tile_start, int lane) {
+  constexpr int kPre = 8;
+  int pre[kPre];
+#pragma unroll
+  for (int r = 0; r < kPre; ++r) pre[r] = tiles_of<NT>(p, 32 * r + lane);
   int carry = 0;
-  for (int e0 = 0; e0 < p.E; e0 += 32) {
-    const int e = e0 + lane;
-    int tiles = 0;
-    if (e < p.E) {
-      const int64_t rows = offset_at(p, e + 1) - offset_at(p, e);
-      tiles = rows > 0 ? static_cast<int>((rows + 8 * NT - 1) / (8 * NT)) : 0;
-    }
+  auto round = [&](int e, int tiles) {
     int incl = tiles;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -230,7 +241,11 @@ __device__ void scan_tiles(const Params& p, int* tile_start, int lane) {
     }
     if (e < p.E) tile_start[e] = carry + incl - tiles;
     carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
-  }
+  };
+#pragma unroll
+  for (int r = 0; r < kPre; ++r)
+    if (32 * r < p.E) round(32 * r + lane, pre[r]);
+  for (int e0 = 32 * kPre; e0 < p.E; e0 += 32) round(e0 + lane, tiles_of<NT>(p, e0 + lane));
   if (lane == 0) tile_start[p.E] = carry;
 }
 
@@ -287,9 +302,9 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
   return l;
 }
 
-// grid: x = groups of R row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
-// block: 32 W threads (W = R * C).
-template <int NT, int D, bool GROUPED>
+// grid: x = groups of R x RG row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
+// block: 32 W threads (W = R * C). ROWS: RG may be above 1.
+template <int NT, int D, bool GROUPED, bool ROWS>
 __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kUnits = TokenBudget<NT>::kUnitsPerThread;
@@ -308,11 +323,19 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   // my chunks: c, c + C, ...; my steps: theirs in order (only the last chunk of K may be short)
   const int my_chunks = c < nchunks ? (nchunks - 1 - c) / C + 1 : 0;
   const int my_last = c + (my_chunks - 1) * C;
-  const int J = my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs));
   const int jump = (C - 1) << lcs;  // from the end of one of my chunks to the start of my next one
-  const int row_nominal = (blockIdx.x * R + rg) * 16;
-  const bool active = row_nominal < p.N;
-  const int row0 = active ? row_nominal : p.N - 16;  // idle warps shadow the last row group, store nothing
+  // my row groups: x0 + i R for i < nrg (RG of them, fewer at the end of N); without chunks my steps are
+  // nrg runs of all of K, one per row group, in that order (J counts them all)
+  // (ROWS false: RG = 1 at compile time, the plain kernel's registers)
+  const int row_groups = ROWS ? p.row_groups : 1;
+  const int x0 = blockIdx.x * R * row_groups + rg;
+  const int left = (p.N >> 4) - x0;
+  const bool active = left > 0;
+  const int nrg = ROWS && active ? min(row_groups, (left + R - 1) / R) : 1;  // idle warps shadow the last row
+                                                                             // group, store nothing
+  const int row0 = active ? x0 * 16 : p.N - 16;
+  const int row_pitch = R * 16;           // rows from one of my row groups to the next
+  const int J = nrg * (my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs)));
   const Layout L = layout<NT, D>(W, nsteps, p.seg, nchunks, C);
   uint8_t* ring = smem + L.ring + warp * D * kSlotBytes;
   uint32_t* tokens = reinterpret_cast<uint32_t*>(smem + L.tokens);
@@ -346,12 +369,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
     }
     const uint8_t* src_c = wc + static_cast<size_t>(row0 + g) * kh + 16 * t;
     const uint8_t* src_s = ws + static_cast<size_t>(row0 + (lane >> 1)) * ks + 4 * (lane & 1);
-
-    // epilogue operands now: their loads overlap the main loop instead of ending the kernel
-    const int n_a = row0 + g, n_b = row0 + g + 8;
-    const float gw_a = gw[p.gw_row ? n_a : 0], gw_b = gw[p.gw_row ? n_b : 0];
     const bool has_bias = p.bias != nullptr;
-    const float bias_a = has_bias ? p.bias[n_a] : 0.0f, bias_b = has_bias ? p.bias[n_b] : 0.0f;
     float ga_m[NT][2];
 #pragma unroll
     for (int jt = 0; jt < NT; ++jt)
@@ -361,24 +379,28 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
         ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? m : 0] : 0.0f;
       }
 
-    // the ring's producer: my step ji (K step si) -> slot ji % D, one commit group per call; past my last step
-    // the copies read nothing (source size 0) from step 0. Then the cursor moves to my next step.
-    int ji = 0, si = c << lcs;
+    // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
+    // past my last step the copies read nothing (source size 0) from step 0. Then the cursor moves to my next
+    // step: the next K step, my next chunk, or K step 0 of my next row group.
+    int ji = 0, si = c << lcs, ri = 0;
     const uint8_t* src_c8 = src_c + 8 * kh;
     auto issue_next = [&]() {
       const bool live = ji < J;
       const uint32_t n16 = live ? 16 : 0, n4 = live ? 4 : 0;
       const uint32_t s_ok = live ? si : 0;
+      const size_t rows = live ? static_cast<size_t>(ri) * row_pitch : 0;  // my row group's first row, relative
       const uint32_t slot = ring_s + (ji & (D - 1)) * kSlotBytes;
       asm volatile(
           "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
           "cp.async.cg.shared.global [%3], [%4], 16, %2;\n"
           "cp.async.ca.shared.global [%5], [%6], 4, %7;\n"
-          "cp.async.commit_group;\n" ::"r"(slot + dst_c), "l"(src_c + s_ok * kStepBytes), "r"(n16),
-          "r"(slot + dst_c + 8 * kRowPitch), "l"(src_c8 + s_ok * kStepBytes), "r"(slot + dst_s),
-          "l"(src_s + s_ok * 8), "r"(n4));
+          "cp.async.commit_group;\n" ::"r"(slot + dst_c), "l"(src_c + rows * kh + s_ok * kStepBytes), "r"(n16),
+          "r"(slot + dst_c + 8 * kRowPitch), "l"(src_c8 + rows * kh + s_ok * kStepBytes), "r"(slot + dst_s),
+          "l"(src_s + rows * ks + s_ok * 8), "r"(n4));
       ++ji;
-      si += ((si + 1) & (cs - 1)) == 0 ? jump + 1 : 1;
+      const bool next_rows = si + 1 == nsteps && ri + 1 < nrg;  // (selects, not a branch: fewer registers)
+      ri += next_rows;
+      si = next_rows ? 0 : si + (((si + 1) & (cs - 1)) == 0 ? jump + 1 : 1);
     };
 
     __syncthreads();  // the previous tile's readers of the ring, the token buffers and the chunk sums are done
@@ -425,10 +447,6 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
     if (p.seg < nsteps) fetch_next();
 
     float part[NT][4], total[NT][4];
-#pragma unroll
-    for (int jt = 0; jt < NT; ++jt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) part[jt][r] = total[jt][r] = 0.0f;
 
     // register pipeline: fragments of my step j (a), words of step j + 1 (w), gathered a step before they
     // are decoded, so the decode of step j + 1 has its inputs when step j's mma chain starts
@@ -469,103 +487,116 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       decode_step(w, a_next);
     };
 
-    // runs of consecutive K steps: my chunks (with chunks), or the token segments (one chain)
     int j = 0;
-    for (int run = 0;; ++run) {
-      int s0, s1;
-      if (chunked) {
-        if (run >= my_chunks) break;
-        s0 = (c + run * C) << lcs;
-        s1 = min(s0 + cs, nsteps);
-        while (s0 >= seg_s0 + p.seg) switch_segment();  // my chunk of the next round is in the next segment
-#pragma unroll
-        for (int jt = 0; jt < NT; ++jt)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) part[jt][r] = 0.0f;
-      } else {
-        s0 = seg_s0;
-        if (s0 >= nsteps) break;
-        s1 = min(s0 + p.seg, nsteps);
-      }
-      const uint32_t* b = tokens + seg_buf * L.buf_words + (s0 - seg_s0) * NT * kTileStepWords + 4 * lane;
-      int s = s0;
-      for (; s + 1 < s1; s += 2, j += 2, b += 2 * NT * kTileStepWords) {
-        step(a0, a1, w0, w1, b, j);
-        step(a1, a0, w1, w0, b + NT * kTileStepWords, j + 1);
-      }
-      if (s < s1) {  // an odd run: one step, then the pipeline registers back in place
-        step(a0, a1, w0, w1, b, j);
-        ++j;
-#pragma unroll
-        for (int pc = 0; pc < 8; ++pc)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) a0[pc][r] = a1[pc][r];
-        w0 = w1;
-      }
-      if (chunked) {  // the chunk's sum: into the running total (one lane) or shared memory (C lanes)
-        if (C == 1) {
-#pragma unroll
-          for (int jt = 0; jt < NT; ++jt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) total[jt][r] = __fadd_rn(total[jt][r], part[jt][r]);
-        } else {
-          const int q = s0 >> lcs;
-#pragma unroll
-          for (int jt = 0; jt < NT; ++jt)
-            sums[((q * R + rg) * 32 + lane) * NT + jt] = make_float4(part[jt][0], part[jt][1], part[jt][2], part[jt][3]);
-        }
-      } else {
-        if (s1 >= nsteps) break;
-        switch_segment();
-      }
-    }
-    // a warp whose chunks ended before the last segment still takes part in every switch
-    while (seg_s0 + p.seg < nsteps) switch_segment();
-    cp_async_wait<0>();
-
-    if (!chunked) {
+#pragma unroll 1
+    for (int i = 0; i < nrg; ++i) {  // my row groups (one with chunks or token segments)
+      // epilogue operands now: their loads overlap the main loop instead of ending the row group
+      const int n_a = row0 + i * row_pitch + g, n_b = n_a + 8;
+      const float gw_a = gw[p.gw_row ? n_a : 0], gw_b = gw[p.gw_row ? n_b : 0];
+      const float bias_a = has_bias ? p.bias[n_a] : 0.0f, bias_b = has_bias ? p.bias[n_b] : 0.0f;
 #pragma unroll
       for (int jt = 0; jt < NT; ++jt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) total[jt][r] = part[jt][r];
-    } else if (C > 1) {
-      __syncthreads();  // every chunk sum of the tile is in shared memory
-      if (c == 0) {
-        for (int q = 0; q < nchunks; ++q) {
+        for (int r = 0; r < 4; ++r) part[jt][r] = total[jt][r] = 0.0f;
+
+      // runs of consecutive K steps: my chunks (with chunks), or the token segments (one chain)
+      for (int run = 0;; ++run) {
+        int s0, s1;
+        if (chunked) {
+          if (run >= my_chunks) break;
+          s0 = (c + run * C) << lcs;
+          s1 = min(s0 + cs, nsteps);
+          while (s0 >= seg_s0 + p.seg) switch_segment();  // my chunk of the next round is in the next segment
 #pragma unroll
-          for (int jt = 0; jt < NT; ++jt) {
-            const float4 v = sums[((q * R + rg) * 32 + lane) * NT + jt];
-            total[jt][0] = __fadd_rn(total[jt][0], v.x);
-            total[jt][1] = __fadd_rn(total[jt][1], v.y);
-            total[jt][2] = __fadd_rn(total[jt][2], v.z);
-            total[jt][3] = __fadd_rn(total[jt][3], v.w);
+          for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) part[jt][r] = 0.0f;
+        } else {
+          s0 = seg_s0;
+          if (s0 >= nsteps) break;
+          s1 = min(s0 + p.seg, nsteps);
+        }
+        const uint32_t* b = tokens + seg_buf * L.buf_words + (s0 - seg_s0) * NT * kTileStepWords + 4 * lane;
+        int s = s0;
+        for (; s + 1 < s1; s += 2, j += 2, b += 2 * NT * kTileStepWords) {
+          step(a0, a1, w0, w1, b, j);
+          step(a1, a0, w1, w0, b + NT * kTileStepWords, j + 1);
+        }
+        if (s < s1) {  // an odd run: one step, then the pipeline registers back in place
+          step(a0, a1, w0, w1, b, j);
+          ++j;
+#pragma unroll
+          for (int pc = 0; pc < 8; ++pc)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a0[pc][r] = a1[pc][r];
+          w0 = w1;
+        }
+        if (chunked) {  // the chunk's sum: into the running total (one lane) or shared memory (C lanes)
+          if (C == 1) {
+#pragma unroll
+            for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) total[jt][r] = __fadd_rn(total[jt][r], part[jt][r]);
+          } else {
+            const int q = s0 >> lcs;
+#pragma unroll
+            for (int jt = 0; jt < NT; ++jt)
+              sums[((q * R + rg) * 32 + lane) * NT + jt] = make_float4(part[jt][0], part[jt][1], part[jt][2], part[jt][3]);
+          }
+        } else {
+          if (s1 >= nsteps) break;
+          switch_segment();
+        }
+      }
+      // a warp whose chunks ended before the last segment still takes part in every switch
+      while (seg_s0 + p.seg < nsteps) switch_segment();
+
+      if (!chunked) {
+#pragma unroll
+        for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) total[jt][r] = part[jt][r];
+      } else if (C > 1) {
+        __syncthreads();  // every chunk sum of the tile is in shared memory
+        if (c == 0) {
+          for (int q = 0; q < nchunks; ++q) {
+#pragma unroll
+            for (int jt = 0; jt < NT; ++jt) {
+              const float4 v = sums[((q * R + rg) * 32 + lane) * NT + jt];
+              total[jt][0] = __fadd_rn(total[jt][0], v.x);
+              total[jt][1] = __fadd_rn(total[jt][1], v.y);
+              total[jt][2] = __fadd_rn(total[jt][2], v.z);
+              total[jt][3] = __fadd_rn(total[jt][3], v.w);
+            }
+          }
+        }
+      }
+
+      if (active && c == 0) {
+        // total[jt]: c0, c1 = (weight row g, tokens 8jt + 2t, +1); c2, c3 = (weight row g + 8, same tokens)
+#pragma unroll
+        for (int jt = 0; jt < NT; ++jt) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int m = m0 + 8 * jt + 2 * t + (r & 1);
+            if (m >= m_end) continue;
+            const int n = r < 2 ? n_a : n_b;
+            const float v = epilogue(total[jt][r], ga_m[jt][r & 1], r < 2 ? gw_a : gw_b, has_bias,
+                                     r < 2 ? bias_a : bias_b);
+            if (p.out_kind == 0) store_out<__nv_bfloat16>(p, m, n, v);
+            else if (p.out_kind == 1) store_out<__half>(p, m, n, v);
+            else store_out<float>(p, m, n, v);
           }
         }
       }
     }
-
-    if (active && c == 0) {
-      // total[jt]: c0, c1 = (weight row g, tokens 8jt + 2t, +1); c2, c3 = (weight row g + 8, same tokens)
-#pragma unroll
-      for (int jt = 0; jt < NT; ++jt) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int m = m0 + 8 * jt + 2 * t + (r & 1);
-          if (m >= m_end) continue;
-          const int n = r < 2 ? n_a : n_b;
-          const float v = epilogue(total[jt][r], ga_m[jt][r & 1], r < 2 ? gw_a : gw_b, has_bias,
-                                   r < 2 ? bias_a : bias_b);
-          if (p.out_kind == 0) store_out<__nv_bfloat16>(p, m, n, v);
-          else if (p.out_kind == 1) store_out<__half>(p, m, n, v);
-          else store_out<float>(p, m, n, v);
-        }
-      }
-    }
+    cp_async_wait<0>();
   }
 }
 
-// Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped); returns a cudaError_t.
-template <int NT, int D, bool GROUPED>
+// Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped, row groups in sequence);
+// returns a cudaError_t.
+template <int NT, int D, bool GROUPED, bool ROWS>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
   const int nsteps = p.K / 128;
   const int nchunks = p.chunk_log2 >= 0 ? (nsteps + (1 << p.chunk_log2) - 1) >> p.chunk_log2 : 1;
@@ -580,20 +611,26 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64) return -1;
   if (smem > 48 * 1024 && smem > raised[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED>,
+    cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED, ROWS>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return static_cast<int>(err);
     raised[dev] = smem;
   }
-  decode_gemm_kernel<NT, D, GROUPED><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
+  decode_gemm_kernel<NT, D, GROUPED, ROWS><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <int NT, bool GROUPED>
 int launch_depth(const Params& p, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
-  if (depth == 4) return launch_one<NT, 4, GROUPED>(p, warps, grid_x, grid_y, stream);
-  if (depth == 8) return launch_one<NT, 8, GROUPED>(p, warps, grid_x, grid_y, stream);
-  if (depth == 16) return launch_one<NT, 16, GROUPED>(p, warps, grid_x, grid_y, stream);
+  if (p.row_groups > 1) {
+    if (depth == 4) return launch_one<NT, 4, GROUPED, true>(p, warps, grid_x, grid_y, stream);
+    if (depth == 8) return launch_one<NT, 8, GROUPED, true>(p, warps, grid_x, grid_y, stream);
+    if (depth == 16) return launch_one<NT, 16, GROUPED, true>(p, warps, grid_x, grid_y, stream);
+    return -1;
+  }
+  if (depth == 4) return launch_one<NT, 4, GROUPED, false>(p, warps, grid_x, grid_y, stream);
+  if (depth == 8) return launch_one<NT, 8, GROUPED, false>(p, warps, grid_x, grid_y, stream);
+  if (depth == 16) return launch_one<NT, 16, GROUPED, false>(p, warps, grid_x, grid_y, stream);
   return -1;
 }
 
@@ -611,7 +648,8 @@ int launch_tiles(const Params& p, int nt, int depth, int warps, int grid_x, int 
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
                            int64_t gw_row, int64_t out_kind, int64_t nt, int64_t depth, int64_t warps, int64_t seg,
-                           int64_t chunk_log2, int64_t lanes, int64_t grid_y, int64_t offsets, int64_t offsets64,
+                           int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
+                           int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
                            int64_t stream) {
   using namespace minite_decode;
@@ -633,6 +671,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.seg = static_cast<int>(seg);
   p.chunk_log2 = static_cast<int>(chunk_log2);
   p.lanes = static_cast<int>(lanes);
+  p.row_groups = static_cast<int>(row_groups);
   p.offsets = reinterpret_cast<const void*>(offsets);
   p.offsets64 = static_cast<int>(offsets64);
   p.E = static_cast<int>(n_experts);
@@ -645,7 +684,9 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
     return -1;
   // segments hold whole rounds of chunks (C chunks of 2^chunk_log2 steps), or all of K
   if (chunk_log2 >= 0 && seg < nsteps && seg % (lanes << chunk_log2)) return -1;
-  const int rows_per_cta = 16 * static_cast<int>(warps / lanes);
+  // row groups in sequence: one chain over K, all of K's token fragments resident
+  if (row_groups < 1 || (row_groups > 1 && (chunk_log2 >= 0 || seg < nsteps))) return -1;
+  const int rows_per_cta = 16 * static_cast<int>(warps / lanes * row_groups);
   const int grid_x = static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool grouped = offsets != 0;

@@ -123,7 +123,8 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
 def config_name(c: dict) -> str:
     if c.get("variant") == "cuda":
         lanes = f"c{c['C']}" if c.get("C", 1) > 1 else ""
-        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}"
+        rows = f"r{c['RG']}" if c.get("RG", 1) > 1 else ""
+        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}{rows}"
     return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
 
 
@@ -298,15 +299,15 @@ _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then
 
 
 def grouped_cuda_config(m: int, e: int, k: int = 0) -> dict:
-    """Token tiles of 8 rows, an 8-step ring, 4 warps per CTA (the best grouped config of the H200 sweeps of
-    the v2 kernel at 1..64 tokens x top-8 over 128 experts, where most experts get 1..8 rows; 8 warps within
-    2%). Short K (<= 8 steps of 128: Qwen3-30B-A3B's down projection, K = 768): each tile is over before a
-    deep ring pays off, so 2 warps, a 4-step ring and up to 2112 CTAs, more tiles in flight at once (H200,
-    512 rows: 101 us instead of 116). Under K chunks one lane per row group (the tiles already fill the GPU)."""
+    """Token tiles of 8 rows, 4 warps per CTA, an 8-step ring, and each warp running RG row groups of 16 weight
+    rows one after another per tile (the ring and the register pipeline run on from one into the next, the
+    token fragments stay resident), 264 CTAs (two per SM of the H200) looping over the tiles. The best of an
+    H200 sweep (RG 1-8 x W 2-8 x D 4/8 x 264-2112 CTAs, 128 experts, top-8, all bitwise equal): at 64 tokens
+    gate_up 1536x2048 131 -> 99 us with RG = 4 (RG = 8: 105); the down projection 2048x768, whose 6-step K is
+    over before a tile's fixed costs are paid back, 98 -> 58 us with RG = 8. Under K chunks RG does not apply
+    (one row group per tile)."""
     from ._cuda_decode import STEP_K
-    if 0 < k <= 8 * STEP_K:
-        return dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
-    return dict(variant="cuda", NT=1, W=4, D=8, SEG=0)
+    return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=8 if 0 < k <= 8 * STEP_K else 4, CTAS=264)
 
 
 def _grouped_proven(cfg: dict, device) -> bool:
@@ -383,20 +384,23 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segm
     m, k = a.shape
     e, n, _ = ex.shape
     dev = a.device
+    explicit = config is not None  # a caller's config: its failures raise instead of falling back
     if k_segments > 1 and config is None:  # the Triton kernel's segment loop (not the CUDA decode kernel's)
         config = _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, False, k)
     cfg, mod, cuda_ok = _grouped_choice(a, ex, config)
+    variant = cfg.get("variant", "decode")
+    if k_segments > 1 and variant not in ("decode", "f16"):
+        raise ValueError(f"grouped GEMM variant {variant!r} does not take K segments (decode or f16 do)")
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out
-    variant = cfg.get("variant", "decode")
     if variant == "cuda":
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
         try:
             return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, k_chunk())
         except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton configs
-            if config:
+            if explicit:
                 raise
             cfg = _grouped_config(False, ex.f16 is not None, m, e, dev, k=k)
             variant = cfg.get("variant", "decode")
@@ -407,8 +411,8 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segm
     try:
         if variant in _w32_launch.WORD_VARIANTS:
             return _w32_launch.launch_grouped(a, ex, out, cfg, (tile_e, tile_r, bound, offs32), k_chunk())
-        if variant not in ("decode", "w16", "f16") or (k_segments > 1 and variant == "w16"):
-            raise ValueError(f"unknown grouped GEMM variant {variant!r} (or not with K segments)")
+        if variant not in ("decode", "w16", "f16"):
+            raise ValueError(f"unknown grouped GEMM variant {variant!r}")
         cfg.pop("variant", None)
         bm, bn = cfg.pop("BM"), cfg.pop("BN")
         cfg.pop("GROUP_M", None)
@@ -426,7 +430,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segm
             BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, A_F16=variant == "f16", W_F16=variant != "decode", KC=k_chunk(),
             W_KSEG=k_segments, **cfg)
     except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
-        if config or dev.type == "cpu":
+        if explicit or dev.type == "cpu":
             raise
         _grouped_broken.add(tuple(sorted(_grouped_config(False, ex.f16 is not None, m, e, dev, k=k).items())))
         import warnings

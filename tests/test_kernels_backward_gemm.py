@@ -81,6 +81,10 @@ def test_grouped_gemm_with_k_segment_scales(backend):
         assert checks.rel_err(out[lo:hi], want) < tol
     with pytest.raises(ValueError, match="k_segments"):
         grouped_nvfp4_gemm(a, wt, offs, torch.float32, backend=backend, k_segments=3)
+    if backend == "triton":  # a config whose kernel has no segment loop refuses, rather than ignore the scales
+        for cfg in (dict(variant="cuda", NT=1, W=4, D=8), dict(variant="w16", BM=64, BN=64, num_warps=4)):
+            with pytest.raises(ValueError, match="does not take K segments"):
+                grouped_nvfp4_gemm(a, wt, offs, torch.float32, backend=backend, k_segments=2, config=cfg)
 
 
 @pytest.mark.parametrize("backend", ("torch", "triton"))

@@ -76,6 +76,8 @@ def test_bad_config_is_refused():
         _cuda_decode._check(dict(NT=1, W=4, D=8, C=8))  # chunk lanes must divide the warps
     with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
         _cuda_decode._check(dict(NT=1, W=4, D=2))  # the ring runs D - 3 steps ahead
+    with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
+        _cuda_decode._check(dict(NT=1, W=4, D=8, RG=3))  # row groups per warp: 1, 2, 4, 8 or 16
     with pytest.raises(ValueError, match="power of two"):
         _cuda_decode.chunk_log2(3)
     with pytest.raises(ValueError, match="no token segment fits"):  # a round of 8 chunks of 4 steps > 8 steps
@@ -132,7 +134,7 @@ def test_schedule_runs_every_step_once_in_the_contract_order(depth):
                 for c, lane in enumerate(sim["lanes"]):
                     mine = _decode_twin.my_steps(nsteps, eff, chunk_steps, c)
                     assert len(mine) == _kernel_step_count(nsteps, eff, chunk_steps, c)
-                    assert [s for s, _, _ in lane["consumed"]] == mine
+                    assert [s for (_, s), _, _ in lane["consumed"]] == mine
                     assert all(s == frag == tok for s, frag, tok in lane["consumed"])
                     assert lane["switches"] == -(-nsteps // seg) - 1
                     covered += mine
@@ -141,6 +143,29 @@ def test_schedule_runs_every_step_once_in_the_contract_order(depth):
                 assert sim["fold"] == [list(range(q * cs, min(q * cs + cs, nsteps))) for q in range(-(-nsteps // cs))]
                 tried += 1
     assert tried > 100
+
+
+@pytest.mark.parametrize("depth", _cuda_decode.DEPTHS)
+@pytest.mark.parametrize("nrg", [2, 3, 4])
+def test_row_groups_in_sequence_run_each_group_whole(depth, nrg):
+    """A warp running row groups one after another (RG): the ring and the register pipeline run on across the
+    groups, yet each group's chain consumes exactly its own K steps in order, with its own weight words and
+    the resident token fragments, and each group's result sums all of K; no segment barriers."""
+    for nsteps in (1, 2, 3, 6, 16, 17):
+        for nt, warps in ((1, 2), (1, 4), (2, 4), (1, 8)):
+            cfg = dict(NT=nt, W=warps, D=depth, SEG=0, RG=nrg)
+            seg = _cuda_decode.segment(cfg, nsteps, 0, 1)
+            rg = _cuda_decode.row_groups_for(cfg, nsteps, seg, 0)
+            if seg < nsteps:  # the token fragments do not all fit: one row group per tile
+                assert rg == 1
+                continue
+            assert rg == nrg
+            lane = _decode_twin.simulate_row_group(nsteps, 1, 0, seg, depth, rg)["lanes"][0]
+            want = [(i, s) for i in range(rg) for s in range(nsteps)]
+            assert [st for st, _, _ in lane["consumed"]] == want
+            assert all(st == frag == tok for st, frag, tok in lane["consumed"])
+            assert lane["groups"] == [list(range(nsteps))] * rg and lane["switches"] == 0
+    assert _cuda_decode.row_groups_for(dict(RG=4), 16, 16, 4) == 1  # K chunks: one row group per tile
 
 
 def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
@@ -181,6 +206,8 @@ def _gpu_module():
 CONFIGS = [dict(variant="cuda", NT=nt, W=w, D=d, SEG=seg) for nt, w, d, seg in
            ((1, 4, 8, 4), (2, 4, 8, 4), (1, 2, 4, 4), (2, 8, 4, 4), (4, 4, 8, 4), (1, 1, 8, 4), (1, 4, 16, 0),
             (2, 4, 8, 0), (2, 8, 16, 0), (4, 8, 8, 0))]
+CONFIGS += [dict(variant="cuda", NT=nt, W=w, D=d, SEG=0, RG=rg) for nt, w, d, rg in
+            ((1, 4, 8, 4), (2, 4, 8, 2), (1, 2, 4, 8), (1, 8, 16, 16))]
 
 
 @pytest.mark.gpu
@@ -235,9 +262,11 @@ def test_gpu_grouped_decode_bit_equal(tokens):
     ws = [ref.NVFP4Tensor(x.codes, x.scales, x.row_global_scale().contiguous()) for x in ws]
     ex = stack_experts(ws)
     want = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=G.GROUPED_FALLBACK)
-    for nt in (1, 2):
-        cfg = dict(variant="cuda", NT=nt, W=4, D=8, SEG=4)
-        assert torch.equal(grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=cfg), want), nt
+    for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=4), dict(NT=1, W=4, D=8, SEG=0, RG=4),
+                dict(NT=1, W=2, D=4, SEG=0, RG=16, CTAS=64), dict(NT=2, W=8, D=8, SEG=0, RG=2)):
+        cfg = dict(variant="cuda", **cfg)
+        got = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=cfg)
+        assert torch.equal(got, want), G.config_name(cfg)
     o = offs.tolist()
     for i in range(128):
         if o[i + 1] > o[i]:

@@ -146,7 +146,7 @@ def _grouped_op(recipe, shards: int, backward_gemm: str | None = None):
     return [y.detach(), x.grad, w.grad]
 
 
-def test_native_backward_runs_on_nvfp4_operands_and_agrees_with_the_emulated_one(monkeypatch):
+def test_kernel_backward_runs_on_nvfp4_operands_and_agrees_with_the_emulated_one(monkeypatch):
     """gemm "kernel": dgrad and wgrad (dense and experts) run the NVFP4 GEMMs on the codes (exact products,
     here the exact CPU path); gemm "emulated" multiplies the BF16 dequantized values. Same forward, same
     quantized operands (RNE, no RHT: identical codes in both wgrad layouts), so per op the two differ only by

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from minite.engines import quant_linear as Q
+from minite.kernels.backward_gemm import SEGMENT_ALIGN
 
 EXPERTS_NAME = "minite_nvfp4"
 
@@ -137,7 +138,7 @@ class _GroupedNVFP4Fn(torch.autograd.Function):
         st, qw = ctx.state, ctx.qw
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dy [S, N] @ W_e [N, K]
-            if Q.native_backward(st, qw, dy):
+            if Q.dgrad_on_codes(st, qw, dy):
                 dx = Q.dgrad_nvfp4(dy, qw, st, x.dtype, offsets)
             else:
                 dyq = Q.qdq_grad(dy, st, st.recipe.backward_rounding)
@@ -145,7 +146,7 @@ class _GroupedNVFP4Fn(torch.autograd.Function):
                     dx = bf16_grouped_mm(dyq, qw.dq, offsets[1:]).to(x.dtype)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
             native = st.gemm == "kernel"
-            align = Q._kernels.backward_gemm.SEGMENT_ALIGN if native else 16
+            align = SEGMENT_ALIGN if native else 16
             src, pends = _padded_layout(offsets, x.shape[0], align, fill=not native)
             dyt, xt = Q.wgrad_operands(dy, x, st, dequantized=not native, gather=src)
             with st.timed("gemm"):

@@ -267,9 +267,10 @@ def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState, deq
             quantize_tokens(x2d, state, "nearest", r.backward_rht, gather, dequantized))
 
 
-def native_backward(state: QuantState, qw: QWeight, dy: torch.Tensor) -> bool:
-    """The backward GEMMs run on NVFP4 operands: the arm's GEMM is the W4A4 kernel and W has a 1x16 W^T."""
-    return state.gemm == "kernel" and dy.shape[1] % 16 == 0 and qw.dgrad_weight() is not None
+def dgrad_on_codes(state: QuantState, qw: QWeight, dy: torch.Tensor) -> bool:
+    """dgrad runs on NVFP4 operands (``dgrad_nvfp4``): the arm's GEMM is the W4A4 kernel and W's 16x16 tiles
+    give a 1x16 W^T (``QWeight.dgrad_weight``, built there). wgrad needs only the kernel."""
+    return state.gemm == "kernel" and dy.shape[1] % 16 == 0 and qw.tile == (16, 16)
 
 
 def dgrad_nvfp4(dy: torch.Tensor, qw: QWeight, state: QuantState, out_dtype,
@@ -309,10 +310,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         (x2d,) = ctx.saved_tensors
         st, qw = ctx.state, ctx.qw
-        native = native_backward(st, qw, dy)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            if native:
+            if dgrad_on_codes(st, qw, dy):
                 dx = dgrad_nvfp4(dy, qw, st, x2d.dtype)
             else:
                 dyq = qdq_grad(dy, st, st.recipe.backward_rounding)
