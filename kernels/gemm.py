@@ -271,7 +271,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
 
 
 def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, device=None,
-                    cuda_ok: bool = False, k: int = 0) -> dict:
+                    cuda_ok: bool = False, k: int = 0, n: int = 0) -> dict:
     """Few rows per expert (M <= GROUPED_CUDA_ROWS * E on average: decode) -> the CUDA decode kernel, which
     reads only the packed weights of the experts in use. Else pre-decoded experts -> f16 for every M (A decoded
     by a pass, then a plain fp16 grouped GEMM). Packed experts -> the byte decode loop, or, once M >= 64 rows
@@ -280,7 +280,7 @@ def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, dev
     if interpret:
         return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode")
     if cuda_ok and m <= GROUPED_CUDA_ROWS * e:
-        cfg = grouped_cuda_config(m, e, k)
+        cfg = grouped_cuda_config(m, e, k, n)
         if _grouped_proven(cfg, device):
             return cfg
     f16 = GROUPED_F16_CHUNKED if k_chunk() else GROUPED_F16_CONFIG
@@ -298,16 +298,29 @@ GROUPED_CUDA_ROWS = 32  # rows per expert (average) up to which the CUDA decode 
 _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then GROUPED_FALLBACK: same K order)
 
 
-def grouped_cuda_config(m: int, e: int, k: int = 0) -> dict:
-    """Token tiles of 8 rows, 4 warps per CTA, an 8-step ring, and each warp running RG row groups of 16 weight
-    rows one after another per tile (the ring and the register pipeline run on from one into the next, the
-    token fragments stay resident), 264 CTAs (two per SM of the H200) looping over the tiles. The best of an
-    H200 sweep (RG 1-8 x W 2-8 x D 4/8 x 264-2112 CTAs, 128 experts, top-8, all bitwise equal): at 64 tokens
-    gate_up 1536x2048 131 -> 99 us with RG = 4 (RG = 8: 105); the down projection 2048x768, whose 6-step K is
-    over before a tile's fixed costs are paid back, 98 -> 58 us with RG = 8. Under K chunks RG does not apply
-    (one row group per tile)."""
-    from ._cuda_decode import STEP_K
-    return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=8 if 0 < k <= 8 * STEP_K else 4, CTAS=264)
+GROUPED_RESIDENT_CTAS = 264  # 4-warp decode CTAs resident at once on the H200 (2 per SM x 132 SMs)
+
+
+def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
+    """Token tiles of 8 rows, 4 warps per CTA, an 8-step ring. Each warp runs RG row groups of 16 weight rows
+    one after another per tile (the ring and the register pipeline run on from one into the next, the token
+    fragments stay resident), with 264 CTAs looping over the tiles: RG = 4 (K > 8 steps) or 8 (shorter K), the
+    best of an H200 sweep at 16 and 64 tokens x top-8 over 128 experts (RG 1-8 x W 2-8 x D 4/8 x 264-2112
+    CTAs, all bitwise equal): gate_up 1536x2048 at 64 tokens 131 -> 99 us, down 2048x768 98 -> 58 us. RG halves
+    while the (tile, row block) pairs, at most min(M, E) tiles x N / (16 x 4 RG) blocks, would not fill the
+    resident CTAs; at RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile
+    is over before a deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not
+    apply (one row group per tile)."""
+    from ._cuda_decode import ROWS_PER_WARP, STEP_K
+    short = 0 < k <= 8 * STEP_K
+    rg = 8 if short else 4
+    while rg > 1 and min(m, e) * -(-(n // ROWS_PER_WARP) // (4 * rg)) < GROUPED_RESIDENT_CTAS:
+        rg //= 2
+    if rg > 1:
+        return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg, CTAS=GROUPED_RESIDENT_CTAS)
+    if short:
+        return dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
+    return dict(variant="cuda", NT=1, W=4, D=8, SEG=0)
 
 
 def _grouped_proven(cfg: dict, device) -> bool:
@@ -362,7 +375,8 @@ def _grouped_choice(a, ex: NVFP4Experts, config=None):
     dev = a.device
     mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
     cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, ex.codes, ex.scales)
-    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok, k)
+    cfg = dict(config) if config else _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, cuda_ok, k,
+                                                      n)
     if tuple(sorted(cfg.items())) in _grouped_broken:
         cfg = dict(GROUPED_FALLBACK)
     return cfg, mod, cuda_ok

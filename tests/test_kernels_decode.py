@@ -182,6 +182,12 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.SMALL_CONFIG
     monkeypatch.setattr(G, "_grouped_proven", lambda c, d: True)
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=True) == G.grouped_cuda_config(8, 128)
+    # row groups in sequence where the tiles still fill the GPU: 64 tokens x top-8, not 1 token
+    assert G.grouped_cuda_config(512, 128, 2048, 1536)["RG"] == 4
+    assert G.grouped_cuda_config(512, 128, 768, 2048)["RG"] == 8
+    assert G.grouped_cuda_config(64, 128, 768, 2048)["RG"] == 4
+    assert G.grouped_cuda_config(8, 128, 2048, 1536).get("RG", 1) == 1
+    assert G.grouped_cuda_config(8, 128, 768, 2048) == dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
     assert G._grouped_config(False, True, 16384 * 8, 128, dev, cuda_ok=True) == G.GROUPED_F16_CONFIG
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=False) == G.GROUPED_FALLBACK
 
