@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
           "r"(slot + dst_c + 8 * kRowPitch), "l"(src_c8 + rows * kh + s_ok * kStepBytes), "r"(slot + dst_s),
           "l"(src_s + rows * ks + s_ok * 8), "r"(n4));
       ++ji;
-      const bool next_rows = si + 1 == nsteps && ri + 1 < nrg;  // (selects, not a branch: fewer registers)
+      const bool next_rows = si + 1 == nsteps && ri + 1 < nrg;
       ri += next_rows;
       si = next_rows ? 0 : si + (((si + 1) & (cs - 1)) == 0 ? jump + 1 : 1);
     };
