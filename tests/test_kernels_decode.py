@@ -188,6 +188,11 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G.grouped_cuda_config(64, 128, 768, 2048)["RG"] == 4
     assert G.grouped_cuda_config(8, 128, 2048, 1536).get("RG", 1) == 1
     assert G.grouped_cuda_config(8, 128, 768, 2048) == dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
+    # short K and many rows per expert (small model, 32 experts top-4): NT token tiles share the weight steps
+    assert G.grouped_cuda_config(1024, 32, 1024, 512)["NT"] == 4
+    assert G.grouped_cuda_config(256, 32, 256, 1024)["NT"] == 2
+    assert G.grouped_cuda_config(128, 32, 256, 1024)["NT"] == 1
+    assert G.grouped_cuda_config(4096, 128, 2048, 1536)["NT"] == 1  # long K: NT = 1 at any rows per expert
     assert G._grouped_config(False, True, 16384 * 8, 128, dev, cuda_ok=True) == G.GROUPED_F16_CONFIG
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=False) == G.GROUPED_FALLBACK
 
@@ -280,7 +285,27 @@ def test_gpu_grouped_decode_bit_equal(tokens):
             assert checks.rel_err(want[o[i]:o[i + 1]], r) < 1e-5
 
 
-@pytest.mark.parametrize("nt", [1, 2])
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [32, 64, 256])
+@pytest.mark.parametrize("n,k", [(512, 1024), (1024, 256)])
+def test_gpu_grouped_decode_many_rows_per_expert_bit_equal(tokens, n, k):
+    """32 experts, top-4 (the small model's MoE): the default grouped config at 4-32 rows per expert (NT = 1, 2,
+    4 token tiles per CTA) equals the grouped decode loop bitwise."""
+    dev = _gpu_module()
+    from minite.kernels import quantize
+    from minite.kernels.bench import moe_offsets
+    offs = moe_offsets(tokens, 32, 4, dev, align=1)
+    m = int(offs[-1])
+    a = quantize(torch.randn(m, k, device=dev), scaling="row")
+    ex = stack_experts([quantize(torch.randn(n, k, device=dev) * 0.02, tile=(16, 16)) for _ in range(32)])
+    cfg = G.grouped_cuda_config(m, 32, k, n)
+    want = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.bfloat16, config=G.GROUPED_FALLBACK)
+    assert torch.equal(grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.bfloat16, config=cfg), want), \
+        G.config_name(cfg)
+    assert G.grouped_config_for(a, ex) == G.config_name(cfg)  # and the dispatch takes it (probe passed)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 4])
 def test_grouped_tiles_cover_every_row_once(nt):
     """The kernel's per-CTA tile list (mirrored by the twin): every row of every expert exactly once, no tile
     wider than 8 NT rows or crossing an expert, empty experts skipped."""
