@@ -311,23 +311,23 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     resident CTAs; at RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile
     is over before a deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not
     apply (one row group per tile).
-    Short K with many rows per expert (the ``small`` model: 32 experts, top-4, 64-256 tokens) shares each
-    decoded weight step between NT token tiles once the average expert fills them: NT = 4 from 32 rows per
-    expert, NT = 2 from 8 (H200 sweep, NT 1-4 x RG x W x D x CTAS, all bitwise equal; E = 32: gate_up 512x1024
-    at 256 tokens 36.7 -> 22.5 us, down 1024x256 33.5 -> 15.6 us; at 64 tokens 16.7 -> 10.2 and 14.5 -> 10.1).
-    Long K keeps NT = 1: its token fragments for all of K would not fit beside NT > 1 (no RG), and at 4 rows
-    per expert (Qwen3-30B-A3B, 64 tokens) NT = 2 measured 1.5-2.6x slower."""
+    Where RG falls to 1 with short K and many rows per expert (few, narrow experts: the ``small`` model's 32
+    experts, top-4, at 64-256 tokens), NT token tiles share each decoded weight step once the average expert
+    fills them: NT = 4 from 32 rows per expert, NT = 2 from 8 (H200 sweep, NT 1-4 x RG x W x D x CTAS, all
+    bitwise equal; gate_up 512x1024 at 256 tokens 36.7 -> 22.5 us, down 1024x256 33.5 -> 15.6 us; at 64
+    tokens 16.7 -> 10.2 and 14.5 -> 10.1). Where RG > 1 fills the GPU, NT = 1 stays: Qwen3-30B-A3B's down
+    2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8."""
     from ._cuda_decode import ROWS_PER_WARP, STEP_K
     short = 0 < k <= 8 * STEP_K
-    if short and m >= 32 * e:
-        return dict(variant="cuda", NT=4, W=8, D=4, SEG=0, RG=4, CTAS=2 * GROUPED_RESIDENT_CTAS)
-    if short and m >= 8 * e:
-        return dict(variant="cuda", NT=2, W=4, D=4, SEG=0, CTAS=GROUPED_RESIDENT_CTAS)
     rg = 8 if short else 4
     while rg > 1 and min(m, e) * -(-(n // ROWS_PER_WARP) // (4 * rg)) < GROUPED_RESIDENT_CTAS:
         rg //= 2
     if rg > 1:
         return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg, CTAS=GROUPED_RESIDENT_CTAS)
+    if short and m >= 32 * e:
+        return dict(variant="cuda", NT=4, W=8, D=4, SEG=0, RG=4, CTAS=2 * GROUPED_RESIDENT_CTAS)
+    if short and m >= 8 * e:
+        return dict(variant="cuda", NT=2, W=4, D=4, SEG=0, CTAS=GROUPED_RESIDENT_CTAS)
     if short:
         return dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
     return dict(variant="cuda", NT=1, W=4, D=8, SEG=0)

@@ -26,6 +26,7 @@ error the generator is left as the reference would leave it.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -97,11 +98,29 @@ def _layout(k: int) -> tuple[int, int, int, int]:
     return rows, kp, warps, triton.cdiv(k, kp)
 
 
+@functools.cache
+def _programs_to_fill(device_index: int) -> int:
+    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _fill_gpu(br: int, r: int, col_programs: int, device, least: int) -> int:
+    """Rows per program, halved from ``br`` (down to ``least``) while the grid would leave SMs idle: a decode
+    step's 64-256 rows in 4-row programs were 16-64 programs on 132 SMs. Each row's (or 16x16 tile's) values,
+    amax and codes come from the same operations whatever the rows per program: the bits do not change."""
+    if device.type != "cuda":
+        return br
+    want = _programs_to_fill(device.index if device.index is not None else torch.cuda.current_device())
+    while br > least and triton.cdiv(r, br) * col_programs < want:
+        br //= 2
+    return br
+
+
 def _tiles(x, cw, tile16, row_scaling):
     """(BR, BC, num_warps, grid) for the operand view x with CW columns."""
     r = x.shape[0]
     if row_scaling:
         br, bc, warps, chunks = _layout(cw)
+        br = _fill_gpu(br, r, chunks, x.device, 1)
         return br, bc, warps, (triton.cdiv(r, br), chunks)
     if x.stride(0) == 1 and x.stride(1) != 1 and r > 1:  # a transposed view: loads coalesce along rows
         br, bc, warps = TRANSPOSED_TILE
@@ -109,6 +128,7 @@ def _tiles(x, cw, tile16, row_scaling):
         elems, widest, warps = TILE16_TILE if tile16 else ROW_TILE
         bc = min(max(16, triton.next_power_of_2(cw)), widest)
         br = max(16 if tile16 else 1, elems // bc)
+        br = _fill_gpu(br, r, triton.cdiv(cw, bc), x.device, 16 if tile16 else 1)
     return br, bc, warps, (triton.cdiv(r, br), triton.cdiv(cw, bc))
 
 

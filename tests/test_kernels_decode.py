@@ -193,6 +193,7 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G.grouped_cuda_config(256, 32, 256, 1024)["NT"] == 2
     assert G.grouped_cuda_config(128, 32, 256, 1024)["NT"] == 1
     assert G.grouped_cuda_config(4096, 128, 2048, 1536)["NT"] == 1  # long K: NT = 1 at any rows per expert
+    assert G.grouped_cuda_config(1024, 128, 768, 2048)["RG"] == 8   # RG fills the GPU: NT = 1 (measured faster)
     assert G._grouped_config(False, True, 16384 * 8, 128, dev, cuda_ok=True) == G.GROUPED_F16_CONFIG
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=False) == G.GROUPED_FALLBACK
 
