@@ -282,3 +282,16 @@ def test_gpu_vllm_bit_exact():
             quantize(tiny, formula="vllm", scaling=scaling)
         _same(quantize(tiny, formula="vllm", scaling=scaling, check=False),
               ref.quantize(tiny, formula="vllm", scaling=scaling, check=False))
+
+
+def test_cast_tiles_fill_the_gpu_at_decode_sizes(monkeypatch):
+    """Rows per program halve (down to 1, or 16 for 16x16 tiles) while the grid has fewer programs than two per
+    SM; large operands keep their tiles, and so does any non-CUDA device."""
+    qm = _quantize_module()
+    monkeypatch.setattr(qm, "_programs_to_fill", lambda index: 264)
+    dev = torch.device("cuda", 0)
+    assert qm._fill_gpu(4, 256, 1, dev, 1) == 1        # a decode step's 256 rows: 256 programs, not 64
+    assert qm._fill_gpu(2, 4096, 1, dev, 1) == 2       # 2048 programs already
+    assert qm._fill_gpu(4, 600, 1, dev, 1) == 2        # 300 programs at 2 rows
+    assert qm._fill_gpu(16, 64, 4, dev, 16) == 16      # 16x16 tiles keep 16 rows
+    assert qm._fill_gpu(4, 256, 1, torch.device("cpu"), 1) == 4
