@@ -126,6 +126,32 @@ def test_gpu_nvfp4_modules_forward_backward_never_wait_for_the_host(arm):
     assert torch.isfinite(x.grad.float()).all() and torch.isfinite(mod.down_proj.grad.float()).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arm", ["bf16", "naive_te_nvfp4", "minite_nvfp4"])
+def test_gpu_trainer_micro_batch_never_waits_for_the_host(arm):
+    """A learner micro-batch (the trainer's forward, loss and backward), padded or not, queues its work without
+    one host sync (CUDA's sync debug mode raises on any): no mask creation that reads position ids back."""
+    from minite.engines.trainer import Trainer
+
+    tr = Trainer(arm, "tiny", device="cuda", seed=0, weight_cache="per_update")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 32, (2, 48), generator=g).cuda()
+    am = torch.ones_like(ids)
+    am[1, 40:] = 0
+    for mask in (None, am):
+        # the first pass compiles the kernels and fills the weight caches (a weight's NaN check reads back)
+        for sync_mode in ("default", "error"):
+            torch.cuda.set_sync_debug_mode(sync_mode)
+            try:
+                lp = tr._token_logprobs(ids, mask)
+                (lp * am[:, 1:]).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p.grad.float()).all() for p in tr.model.parameters() if p.grad is not None)
+
+
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 

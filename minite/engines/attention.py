@@ -49,12 +49,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                     numerics="invariant" if invariant else "fast", splits=splits)
 
 
+def _hf_sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def hf_invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers AttentionInterface adapter (same signature and return as its sdpa/eager functions)."""
     if torch.is_grad_enabled():
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return _hf_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError("minite_invariant attention has no dropout (RL log-prob paths run without it)")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -75,3 +78,33 @@ def register_attention() -> str:
     AttentionInterface.register(ATTENTION_NAME, hf_invariant_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # a boolean keep-mask, as sdpa gets
     return ATTENTION_NAME
+
+
+# ------------------------------------------------------------------------------------------ the trainer's
+# transformers' mask creation, given no mask, looks for packed sequences in the position ids and branches on
+# the answer in Python: a host sync in every forward, which drains the GPU's queue once per micro-batch of a
+# learner update. The trainer's attention is therefore registered without a mask function (transformers then
+# builds no mask) and the trainer passes ``causal_keep_mask`` itself when a batch is padded.
+TRAINER_ATTENTION = {"sdpa": "minite_trainer_sdpa", "invariant": "minite_trainer_invariant"}
+
+
+def register_trainer_attention(attention: str) -> str:
+    """The trainer's attention ("sdpa": transformers' SDPA function; "invariant": ``hf_invariant_attention``)
+    registered without a mask function; returns its name. The model then takes ``attention_mask=None`` (no
+    padding: causal) or a 4D keep mask (``causal_keep_mask``), never a 2D one (it would be dropped)."""
+    from transformers import AttentionInterface
+
+    if attention not in TRAINER_ATTENTION:
+        raise ValueError(f"trainer attention {attention!r}: expected one of {sorted(TRAINER_ATTENTION)}")
+    AttentionInterface.register(TRAINER_ATTENTION[attention],
+                                hf_invariant_attention if attention == "invariant" else _hf_sdpa)
+    return TRAINER_ATTENTION[attention]
+
+
+def causal_keep_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] padding mask (nonzero = a token) -> [B, 1, T, T] bool: query i sees key j when j <= i and key j
+    is a token. The mask transformers' ``sdpa_mask`` builds for a padded batch without a cache (same values,
+    same layout), made here without a read back to the host."""
+    t = attention_mask.shape[1]
+    pos = torch.arange(t, device=attention_mask.device)
+    return (pos[None, None, None, :] <= pos[None, None, :, None]) & attention_mask.bool()[:, None, None, :]

@@ -4,7 +4,8 @@ What the arm's ``trainer`` recipe changes, and how (all through public modules /
     q/k/v/o projections (and lm_head unless high precision)  -> ``quant_linear.NVFP4Linear`` (same Parameter)
     router (``Qwen3MoeTopKRouter``) unless high precision     -> an HF-router subclass with an NVFP4 GEMM
     experts (3D params)       -> transformers' ``ExpertsInterface``: "grouped_mm" (BF16) or "minite_nvfp4"
-    attention                 -> transformers' ``AttentionInterface``: "sdpa" or "minite_invariant"
+    attention                 -> transformers' ``AttentionInterface``: SDPA or minite's invariant attention,
+                                 registered for the trainer without a mask function (it passes its own masks)
     embeddings, norms, rotary, SiLU, softmax: upstream HF ops, BF16.
 Layers in ``first_layer`` / ``last_layer`` keep all their GEMMs in BF16 when the arm lists them.
 
@@ -29,6 +30,7 @@ from minite import distributed as D
 from minite.engines import experts as X
 from minite.engines import quant_linear as Q
 from minite.engines.arms import Arm, load_arm
+from minite.engines.attention import causal_keep_mask, register_trainer_attention
 from minite.engines.models import build_hf_config, build_hf_model, load_model_config
 from minite.engines.names import is_quantized, param_kind
 from minite.provenance import atomic_path
@@ -59,10 +61,7 @@ class Trainer:
             require_te()
         self.seed, self.micro_batch_size, self.grad_clip = seed, micro_batch_size, grad_clip
         self.rounding_seed = seed       # stochastic rounding's streams (``_seed_rounding``); checkpointed
-        attn = "sdpa"
-        if r.attention == "invariant":
-            from minite.engines.attention import register_attention
-            attn = register_attention()
+        attn = register_trainer_attention(r.attention)
         experts_impl = X.register_experts() if r.is_nvfp4 else "grouped_mm"
         self.hf_config = build_hf_config(self.model_cfg, attn_implementation=attn,
                                          experts_implementation=experts_impl)
@@ -173,14 +172,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ compute
     def _token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Log-probs of tokens 1..T-1. ``attention_mask`` None = no padding: transformers then builds the plain
-        causal mask without reading the mask back to find that out (a host sync per forward)."""
+        """Log-probs of tokens 1..T-1. ``attention_mask`` None = no padding (causal attention), else the [B, T]
+        padding mask, passed on as a 4D keep mask (``register_trainer_attention``: no host sync per forward)."""
         ctx = contextlib.nullcontext()
         if self.arm.trainer.gemm == "te":
             from minite.engines import te_backend
             ctx = te_backend.autocast()
+        keep = causal_keep_mask(attention_mask) if attention_mask is not None else None
         with ctx:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logits = self.model(input_ids=input_ids, attention_mask=keep, use_cache=False).logits
         logits = logits[:, :-1].float()
         targets = input_ids[:, 1:]
         lp = -torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
