@@ -30,9 +30,9 @@ from . import _backend
 NUMERICS = ("fast", "invariant")
 MAX_SPLITS = 64
 # fp64 kernels: BN keys per block (BN * 8 bytes of p per row in scratch), BD = 8 bf16 = one 16-byte load per
-# thread and key; rows: the GQA group (decode) or BM query positions (prefill). One warp while the group fits
-# 8 rows: the p.v step then gives each thread 4 of the 128 dims (more FMAs per p load); sm_90 ptxas: 230-246
-# registers, no spills. 16 rows need two warps.
+# thread and key; rows: the GQA group (decode) or BM query positions (prefill). One warp holds up to 8 rows
+# (sm_90 ptxas: 230-246 registers, no spills); 16 rows need two warps. Decode takes two warps for a large
+# p.v accumulator too (``_f64_decode_warps``).
 F64_BN, F64_BD, PREFILL_BM = 64, 8, 8
 FAST_BN = 64
 
@@ -128,6 +128,14 @@ def _kernel_head_dim(d: int) -> bool:
     return 16 <= d <= 256 and d & (d - 1) == 0
 
 
+def _f64_decode_warps(rows: int, d: int) -> int:
+    """Warps of a float64 decode program: two once its (rows x D) p.v accumulator is large enough to keep
+    two warps fed, else one. H200, CUDA-graph medians, the bits the same either way: Qwen3-30B-A3B's 8 rows x
+    128 dims at batch 64 and 96 keys 27.6 us with two warps (one: 44); the ``small`` model's 4 x 64 at batch
+    256 and 160 keys 40.7 us with one (two: 66.8)."""
+    return 2 if rows >= 16 or rows * d >= 1024 else 1
+
+
 def default_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """KV splits per sequence: enough programs for ~4 per SM, no more than whole 64-key blocks at max_len.
     A function of shapes only (fixed per captured batch size)."""
@@ -169,8 +177,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scratch = torch.empty(b * hkv * splits * (bh * d + F64_BN * bh), dtype=torch.float64, device=q.device)
         ta.decode_f64_kernel[grid](q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                                    hq, rep, *strides, _f64_bits(scaling), D=d, BH=bh, BN=F64_BN, BD=F64_BD,
-                                   DIRECT=splits == 1, num_warps=2, num_stages=1)
-        # two warps hide more of the p.v loop's load latency (H200, 8 rows x <= 96 keys: 27 us, one warp 44)
+                                   DIRECT=splits == 1, num_warps=_f64_decode_warps(bh, d), num_stages=1)
     else:
         qc = q.to(k_cache.dtype)
         ta.decode_fast_kernel[grid](qc, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
