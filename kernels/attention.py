@@ -183,7 +183,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ta.decode_fast_kernel[grid](qc, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
                                     hq, rep, *qc.stride()[:2], *strides[2:], scaling * 1.4426950408889634,
                                     D=d, BH=max(16, _pow2(rep)), BN=FAST_BN, DIRECT=splits == 1,
-                                    UPCAST_DOT=_backend.interpreter_on(), num_warps=4, num_stages=2)
+                                    UPCAST_DOT=_backend.interpreter_on(), num_warps=2 if d <= 64 else 4,
+                                    num_stages=2)
+        # H200, CUDA-graph medians: the small model's D = 64 at batch 256 and 96-288 keys 9.0-23.7 us with two
+        # warps (four: 11.0-27.0); Qwen3-30B-A3B's D = 128 at batch 64 best with four
     if splits > 1:
         ta.merge_splits_kernel[(b, hq)](part_acc, part_ml, out, hq, splits, D=d, SPLITS_P2=_pow2(splits), F64=f64,
                                         num_warps=1 if d <= 64 else 2)
