@@ -273,7 +273,7 @@ def test_trainer_masks_give_the_bits_of_transformers_own(arm):
             lp, grads, nograd = run(ours, mask)
             lp_hf, grads_hf, _ = run(hf_name, mask)
             assert torch.equal(lp, lp_hf) and len(grads) == len(grads_hf) > 0
-            assert all(torch.equal(a, b) for a, b in zip(grads, grads_hf))
+            assert all(torch.equal(a, b) for a, b in zip(grads, grads_hf, strict=True))
             tr.model.config._attn_implementation = hf_name
             with torch.no_grad():
                 nograd_hf = torch.log_softmax(tr.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(),
