@@ -244,41 +244,41 @@ def test_trainer_from_local_checkpoint_keeps_minite_implementations(tmp_path):
 
 @pytest.mark.parametrize("arm", ["bf16", "minite_nvfp4"])
 def test_trainer_masks_give_the_bits_of_transformers_own(arm):
-    """The trainer passes its own masks (no host read per forward): log-probs and gradients equal those of the
-    same model under transformers' mask creation, for a left- and a right-padded row and for no padding."""
+    """The trainer passes its own masks (no host read per forward): log-probs (with and without autograd) and
+    gradients equal those of the same model under transformers' mask creation, for a left- and a right-padded
+    row and for no padding."""
     from minite.engines.attention import register_attention
 
     tr = Trainer(arm, "tiny", seed=5)
-    ids, am = _batch(b=3)["input_ids"], _batch(b=3)["attention_mask"]
+    batch = _batch(b=3)
+    ids, am = batch["input_ids"], batch["attention_mask"]
     am[0, :3] = 0                                                      # a left-padded row too
     ours = tr.model.config._attn_implementation
     hf_name = "sdpa" if arm == "bf16" else register_attention()     # the same attention with HF's masks
 
-    def run(name, mask):
+    def logprobs(name, mask):
         tr.model.config._attn_implementation = name
+        if name == ours:
+            return tr._token_logprobs(ids, mask)
+        lp = torch.log_softmax(tr.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        return lp.gather(-1, ids[:, 1:, None])[..., 0]
+
+    def run(name, mask):
         tr.model.zero_grad(set_to_none=True)
         tr._seed_rounding(0)                                          # the same stochastic rounding draws
-        if name == ours:
-            lp = tr._token_logprobs(ids, mask)
-        else:
-            lp = torch.log_softmax(tr.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
-            lp = lp.gather(-1, ids[:, 1:, None])[..., 0]
+        lp = logprobs(name, mask)
         (lp * am[:, 1:]).sum().backward()
         with torch.no_grad():
-            nograd = tr._token_logprobs(ids, mask) if name == ours else None
+            nograd = logprobs(name, mask)
         return lp.detach(), [p.grad.clone() for p in tr.model.parameters() if p.grad is not None], nograd
 
     try:
         for mask in (am, None):
             lp, grads, nograd = run(ours, mask)
-            lp_hf, grads_hf, _ = run(hf_name, mask)
-            assert torch.equal(lp, lp_hf) and len(grads) == len(grads_hf) > 0
+            lp_hf, grads_hf, nograd_hf = run(hf_name, mask)
+            assert torch.equal(lp, lp_hf) and torch.equal(nograd, nograd_hf)
+            assert len(grads) == len(grads_hf) > 0
             assert all(torch.equal(a, b) for a, b in zip(grads, grads_hf, strict=True))
-            tr.model.config._attn_implementation = hf_name
-            with torch.no_grad():
-                nograd_hf = torch.log_softmax(tr.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(),
-                                              -1).gather(-1, ids[:, 1:, None])[..., 0]
-            assert torch.equal(nograd, nograd_hf)
     finally:
         tr.model.config._attn_implementation = ours
 

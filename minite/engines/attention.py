@@ -13,7 +13,8 @@ PyTorch reference. Kernel and reference give the same bits, and so do the full-s
 at the same position: trainer log-probs == sampler log-probs.
 
 It is registered in transformers' ``AttentionInterface`` as ``"minite_invariant"`` (see
-``register_attention``) and called directly by the sampler. Invariance is needed where log-probs are
+``register_attention``), for the trainer without a mask function (``register_trainer_attention``), and called
+directly by the sampler. Invariance is needed where log-probs are
 compared — the trainer's teacher-forced recompute and every sampler forward, all without an autograd graph.
 When autograd is recording (the learner update) the adapter hands over to transformers' SDPA: that path only
 feeds gradients, and float64 attention there would dominate a 2048-token update.
