@@ -96,11 +96,13 @@ def _fused_case(name, x, backend, width=None, gather=None, codes=True, **kw):
         ok = same_nvfp4(q, r)
         out.append((f"{name} codes", ok, "bit-exact" if ok else f"{bits_differ(q.codes, r.codes)} code bytes, "
                     f"{bits_differ(q.scales, r.scales)} scales differ"))
-    d = quantize_dequantize(x, torch.bfloat16, generator=torch.Generator().manual_seed(7), backend=backend,
-                            width=width, gather=gather, **kw)
-    want = ref.dequantize(r).to(torch.bfloat16)
-    ok = same_bits(d, want)
-    out.append((f"{name} bf16 values", ok, "bit-exact" if ok else f"{bits_differ(d, want)} values differ in bits"))
+    for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        d = quantize_dequantize(x, dtype, generator=torch.Generator().manual_seed(7), backend=backend,
+                                width=width, gather=gather, **kw)
+        want = ref.dequantize(r).to(dtype)
+        ok = same_bits(d, want)
+        out.append((f"{name} {label} values", ok,
+                    "bit-exact" if ok else f"{bits_differ(d, want)} values differ in bits"))
     return out
 
 

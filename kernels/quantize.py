@@ -39,8 +39,9 @@ try:
     import triton
 
     from . import _quantize_kernels as K
+    from . import _quantize_planes as P
 except Exception:  # pragma: no cover - exercised only without triton
-    triton = K = None
+    triton = K = P = None
 
 MAX_KP = 32768    # widest row one program holds in registers (row scaling in one pass)
 CHUNK_KP = 8192   # column width of one program for wider rows under row scaling
@@ -50,6 +51,10 @@ CHUNK_KP = 8192   # column width of one program for wider rows under row scaling
 ROW_TILE = (4096, 1024, 8)
 TILE16_TILE = (4096, 256, 8)
 TRANSPOSED_TILE = (64, 64, 8)  # (rows, columns, num_warps) of a transposed view: 64 contiguous rows
+#: the passes that run the plane kernels (``_quantize_planes``) where they apply: a transposed view quantized
+#: with formula "te", 1x16 blocks and tensor scaling (the wgrad operands); their tile (rows, 16-blocks, warps)
+PLANE_PASSES = ("amax", "cast")
+PLANES_TILE = (64, 4, 4)
 
 # ------------------------------------------------------------------------------------------- operands
 def operand(x: torch.Tensor, width: int | None = None, gather: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,6 +157,11 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
                 .get(x.dtype, K.RHT_F32))
     row_amax = scaling == "row" and cw <= MAX_KP
     br, bc, warps, grid = _tiles(x, cw, tile16, scaling == "row")
+    planes = (formula == "te" and not tile16 and scaling == "tensor" and x.stride(0) == 1 and x.stride(1) != 1
+              and r > 1)
+    if planes:
+        pbr, nb, pwarps = PLANES_TILE
+        pgrid = (triton.cdiv(r, pbr), triton.cdiv(cw // 16, nb))
     gather_t = gather.to(device=dev, dtype=torch.int32).contiguous() if gather is not None else x
     common = (r, c, cw, x.stride(0), x.stride(1))
     if check and gather is not None and gather.numel() and int(gather.max()) >= c:  # a host read: only checked
@@ -169,8 +179,12 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
     else:  # tensor scaling (per group), or per-row amax of rows too wide for one program
         rpg, n_groups = (1, r) if scaling == "row" else (r // groups, groups)
         bits = torch.zeros(n_groups, dtype=torch.int32, device=dev)
-        K._amax_kernel[grid](x, gather_t, bits, *common, rpg, BR=br, BC=bc, GATHER=gather is not None,
-                             RHT=rht_mode, TILE_IN_GROUP=rpg % br == 0, num_warps=warps)
+        if planes and "amax" in PLANE_PASSES:
+            P.amax_planes_kernel[pgrid](x, gather_t, bits, *common, rpg, BR=pbr, NB=nb, GATHER=gather is not None,
+                                        RHT=rht_mode, TILE_IN_GROUP=rpg % pbr == 0, num_warps=pwarps)
+        else:
+            K._amax_kernel[grid](x, gather_t, bits, *common, rpg, BR=br, BC=bc, GATHER=gather is not None,
+                                 RHT=rht_mode, TILE_IN_GROUP=rpg % br == 0, num_warps=warps)
         amax_t = bits.view(torch.float32)
         if check and not bool(torch.isfinite(amax_t).all()):
             raise ValueError("NVFP4 quantize: input contains NaN or Inf; refusing to produce codes")
@@ -187,7 +201,15 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
     # NaN/Inf counts per program: the input's, and (vllm) G's
     bad = torch.empty(2 if vllm else 1, grid[0] * grid[1] if check_here else 1, dtype=torch.int32, device=dev)
     dummy = sdec_groups
-    if r and cw:
+    if r and cw and planes and "cast" in PLANE_PASSES:  # tensor scaling, "te": checked by the amax pass
+        P.cast_planes_kernel[pgrid](
+            x, gather_t, amax_t, out_codes.view(torch.int64) if codes else dummy,
+            out_scales.view(torch.uint8) if codes else dummy, sdec_groups,
+            dq.view(torch.int64) if dq is not None else dummy, *common, rpg, seed, BR=pbr, NB=nb,
+            GATHER=gather is not None, RHT=rht_mode, STOCHASTIC=rounding == "stochastic", CODES=codes,
+            DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
+            num_warps=pwarps, enable_fp_fusion=False)
+    elif r and cw:
         K._cast_kernel[grid](
             x, gather_t, amax_t if amax_t is not None else dummy,
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,

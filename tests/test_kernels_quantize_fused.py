@@ -23,11 +23,19 @@ def _gen(seed=11):
 
 
 def _both(x, width=None, gather=None, **kw):
-    """(kernel, reference) NVFP4Tensors and (kernel, reference) BF16 dequantized values for the same call."""
+    """(kernel, reference) NVFP4Tensors and (kernel, reference) BF16 dequantized values for the same call; the
+    fp32 dequantized values are checked here."""
     q = quantize(x, generator=_gen(), backend="triton", width=width, gather=gather, **kw)
     r = ref.quantize(qmod.operand(x, width, gather), generator=_gen(), **kw)
     d = quantize_dequantize(x, torch.bfloat16, generator=_gen(), backend="triton", width=width, gather=gather, **kw)
+    d32 = quantize_dequantize(x, torch.float32, generator=_gen(), backend="triton", width=width, gather=gather, **kw)
+    assert same_bits(d32, ref.dequantize(r))
     return q, r, d, ref.dequantize(r).to(torch.bfloat16)
+
+
+# the transposed wgrad operands run the plane kernels (``_quantize_planes``) for the passes named here and the
+# 3D kernels for the others: every combination gives the reference's bits
+PLANE_PASSES = ((), ("amax",), ("cast",), ("amax", "cast"))
 
 
 MODES = list(itertools.product(("tensor", "row", "static"), ("nearest", "stochastic"), (False, True)))
@@ -35,8 +43,10 @@ MODES = list(itertools.product(("tensor", "row", "static"), ("nearest", "stochas
 
 @pytest.mark.parametrize("scaling,rounding,rht", MODES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-def test_transposed_view_padded_tokens(scaling, rounding, rht, dtype):
+@pytest.mark.parametrize("plane_passes", PLANE_PASSES)
+def test_transposed_view_padded_tokens(scaling, rounding, rht, dtype, plane_passes, monkeypatch):
     """The wgrad operand: x [M tokens, N] read as x.t() with the token dim zero-padded to 16 — no copies."""
+    monkeypatch.setattr(qmod, "PLANE_PASSES", plane_passes)
     x = spread_input(37, 24, "cpu", dtype, seed=2)          # 37 tokens: pads to 48; 24 features (odd tiles)
     x[:, 3] = 0.0                                            # a zero row of the operand (amax 0 for row scaling)
     kw = dict(scaling=scaling, rounding=rounding, rht=rht, amax=5.0 if scaling == "static" else None)
@@ -45,8 +55,10 @@ def test_transposed_view_padded_tokens(scaling, rounding, rht, dtype):
 
 
 @pytest.mark.parametrize("rounding,rht", list(itertools.product(("nearest", "stochastic"), (False, True))))
-def test_gathered_expert_segments(rounding, rht):
+@pytest.mark.parametrize("plane_passes", PLANE_PASSES)
+def test_gathered_expert_segments(rounding, rht, plane_passes, monkeypatch):
     """MoE wgrad: each expert's tokens padded to 16, gathered from the sorted rows (-1 = zero token)."""
+    monkeypatch.setattr(qmod, "PLANE_PASSES", plane_passes)
     x = spread_input(45, 32, "cpu", torch.bfloat16, seed=3)
     counts = [3, 0, 17, 25]                                   # an empty expert; segments 16, 0, 32, 32
     src, start = [], 0
@@ -155,18 +167,21 @@ def test_bad_operand_arguments():
 
 
 def _jit_functions():
-    """The module's @triton.jit functions (JITFunction, or the interpreter's wrapper: both keep ``.fn``)."""
-    mod = importlib.import_module("minite.kernels._quantize_kernels")
-    for obj in vars(mod).values():
-        if inspect.isfunction(getattr(obj, "fn", None)) and obj.fn.__module__ == mod.__name__:
-            yield obj
+    """The quantizer modules' @triton.jit functions (JITFunction, or the interpreter's wrapper: both keep
+    ``.fn``)."""
+    for name in ("minite.kernels._quantize_kernels", "minite.kernels._quantize_planes"):
+        mod = importlib.import_module(name)
+        for obj in vars(mod).values():
+            if inspect.isfunction(getattr(obj, "fn", None)) and obj.fn.__module__ == mod.__name__:
+                yield obj
 
 
 def test_kernels_never_negate_a_float_with_unary_minus():
     """Triton 3.6 (the H200's) lowers ``-x`` to ``0 - x``: +0.0 where the reference has -0.0. The
     interpreter of a newer Triton negates properly, so only this source check catches it; signs are bits."""
     fns = list(_jit_functions())
-    assert {"_cast_kernel", "_amax_kernel", "_dequant_kernel", "_rht16"} <= {f.fn.__name__ for f in fns}
+    assert {"_cast_kernel", "_amax_kernel", "_dequant_kernel", "_rht16", "amax_planes_kernel",
+            "cast_planes_kernel"} <= {f.fn.__name__ for f in fns}
     for fn in fns:
         for node in ast.walk(ast.parse(inspect.getsource(fn.fn))):
             if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):

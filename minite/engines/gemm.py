@@ -19,16 +19,30 @@ from minite import kernels, nvfp4
 from minite.engines.arms import QuantSpec
 
 
-def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
-                        check: bool = False) -> nvfp4.NVFP4Tensor:
-    """Quantize [tokens, K] activations. ``static_scale``: the calibrated amax ("te"/"modelopt") or vLLM's
-    encode scale G ("vllm") when ``spec.scaling == "static"``."""
+def _static_kwargs(spec: QuantSpec, static_scale) -> dict:
+    """The quantizer arguments of an activation spec, with its static scale where it has one."""
     kw = spec.quantize_kwargs()
     if spec.scaling == "static":
         if static_scale is None:
             raise ValueError("static activation scaling needs a calibrated scale; run calibration first")
         kw["global_encode_scale" if spec.formula == "vllm" else "amax"] = static_scale
-    return kernels.quantize(x2d, check=check, **kw)  # Triton on CUDA ("te", "vllm"), else minite.nvfp4
+    return kw
+
+
+def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
+                        check: bool = False) -> nvfp4.NVFP4Tensor:
+    """Quantize [tokens, K] activations. ``static_scale``: the calibrated amax ("te"/"modelopt") or vLLM's
+    encode scale G ("vllm") when ``spec.scaling == "static"``. Triton on CUDA ("te", "vllm"), else
+    minite.nvfp4."""
+    return kernels.quantize(x2d, check=check, **_static_kwargs(spec, static_scale))
+
+
+def qdq_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale=None, out_dtype=torch.bfloat16
+                   ) -> torch.Tensor:
+    """The values the emulated GEMM multiplies: ``nvfp4.dequantize(quantize_activation(...)).to(out_dtype)``
+    bit for bit, written by the cast pass itself (one launch on CUDA instead of a cast and a multi-pass
+    dequantize)."""
+    return kernels.quantize_dequantize(x2d, out_dtype, check=False, **_static_kwargs(spec, static_scale))
 
 
 def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=torch.bfloat16) -> torch.Tensor:

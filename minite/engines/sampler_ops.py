@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe
-from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, quantize_activation
+from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, qdq_activation, quantize_activation
 from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
 from minite.kernels import fused_ops
 
@@ -110,8 +110,7 @@ def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | 
     scale = _scale(lin.act_scale, lin.amax, recipe, lin.name)
     if recipe.gemm == "emulated" and lin.deq is not None:  # gemm.nvfp4_gemm's "emulated", weight cached
         lead, k = x.shape[:-1], x.shape[-1]
-        a = quantize_activation(x.reshape(-1, k), recipe.activations, scale)
-        y = F.linear(nvfp4.dequantize(a).to(torch.bfloat16), lin.deq)
+        y = F.linear(qdq_activation(x.reshape(-1, k), recipe.activations, scale), lin.deq)
         return y.to(x.dtype).reshape(*lead, lin.deq.shape[0])
     return nvfp4_linear(x, lin.q, recipe.activations, recipe.gemm, scale)
 
@@ -155,8 +154,8 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
     nvfp4_w = not isinstance(weights, torch.Tensor)
     if nvfp4_w and recipe.gemm == "emulated" and calib is None and dequantized is not None:
         # vLLM's / TE's emulation: quantize the activations, dequantize both, one BF16 grouped GEMM
-        a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
-        xs, weights, nvfp4_w = nvfp4.dequantize(a).to(xs.dtype), dequantized(), False
+        xs = qdq_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name), xs.dtype)
+        weights, nvfp4_w = dequantized(), False
     if not nvfp4_w:  # BF16 [E, N, K]
         return grouped_mm(xs, weights, offsets)
     if calib is None and recipe.gemm == "kernel":  # one activation quantization, one grouped launch
