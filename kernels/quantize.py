@@ -54,7 +54,7 @@ TRANSPOSED_TILE = (64, 64, 8)  # (rows, columns, num_warps) of a transposed view
 #: the passes that run the plane kernels (``_quantize_planes``) where they apply: a transposed view quantized
 #: with formula "te", 1x16 blocks and tensor scaling (the wgrad operands); their tile (rows, 16-blocks, warps)
 PLANE_PASSES = ("amax", "cast")
-PLANES_TILE = (64, 4, 4)
+PLANES_TILE = (32, 4, 2)
 
 # ------------------------------------------------------------------------------------------- operands
 def operand(x: torch.Tensor, width: int | None = None, gather: torch.Tensor | None = None) -> torch.Tensor:
