@@ -270,3 +270,20 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True,
                             check=True).stdout
     assert status == "", status                                          # no tracked file touched, nothing new
+
+
+def test_offline_run_install_stage_runs_its_function(tmp_path):
+    """`tools/offline_run.sh install` runs the script's own install function under the stage's time cap (a
+    program named `install` exists too: /usr/bin/install), with the Python given as PY."""
+    shutil.copytree(REPO / "tools", tmp_path / "tools")
+    (tmp_path / ".whl").mkdir()
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/usr/bin/env bash\necho "fakepy $*" >> "$(dirname "$0")/calls.log"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "tools/offline_run.sh", "install"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PY": str(fake), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    assert "=== stage install rc=0" in (out / "stage.log").read_text()
+    calls = (tmp_path / "calls.log").read_text()
+    assert "-m pip install -q --no-deps --no-build-isolation -e ." in calls and "import torch" in calls

@@ -8,12 +8,13 @@
 #   OUT        where the logs and the packed results go (default /tmp/minite_out)
 #   SMK_EXTRA  more snakemake options, e.g. "--configfile tools/h200_segment1.yaml --resources gpu=6"
 #   CORES      snakemake --cores (default: all)
+#   PY         the Python that has the node's PyTorch (default python3)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PROFILE=${PROFILE:-h200}
 OUT=${OUT:-/tmp/minite_out}
 mkdir -p "$OUT"
-PY=python3
+PY=${PY:-python3}
 RESULTS=results/$PROFILE
 
 install() {  # the wheels carried in .whl/ (snakemake, papermill, ...), then minite itself, all without network
@@ -37,7 +38,12 @@ stage() {  # stage NAME SECONDS CMD...
   local override="CAP_$name"; cap=${!override:-$cap}
   local t0; t0=$(date +%s)
   echo "=== stage $name (cap ${cap}s): $*" | tee -a "$OUT/stage.log"
-  timeout --signal=INT --kill-after=20 "$cap" "$@" >> "$OUT/stage_$name.log" 2>&1
+  if declare -F "$1" > /dev/null; then  # a function of this script: timeout runs programs, so through bash
+    export -f "$1"; export PY
+    timeout --signal=INT --kill-after=20 "$cap" bash -c '"$@"' bash "$@" >> "$OUT/stage_$name.log" 2>&1
+  else
+    timeout --signal=INT --kill-after=20 "$cap" "$@" >> "$OUT/stage_$name.log" 2>&1
+  fi
   local rc=$?
   echo "=== stage $name rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$OUT/stage.log"
   tail -n 25 "$OUT/stage_$name.log"
