@@ -8,6 +8,9 @@ spreads each 16-block over several threads and every RHT stage (split / join / p
 and every block reduction moves data between threads. Here a tile is 16 planes [rows, blocks], plane j
 holding element j of every block: all planes share one layout (rows contiguous: coalesced loads), the
 butterfly is elementwise between planes and a block's amax a max over planes, so nothing leaves its thread.
+The cast joins a block's 16 codes into one 8-byte word (and its dequantized values into words of 4 BF16 or
+2 fp32) before storing: per-plane byte stores at a row's stride cost more than the planes save (H200,
+docs/KERNELS_NOTES.md).
 """
 from __future__ import annotations
 
@@ -205,7 +208,7 @@ def _dq_bits(code, s_q, s_dec, DQ: tl.constexpr):
 
 
 @triton.jit
-def _store_words(ptr, w, rows, blk, R, WPB: tl.constexpr, WPR, I: tl.constexpr):
+def _store_words(ptr, w, rows, blk, R, WPB: tl.constexpr, WPR, I: tl.constexpr):  # noqa: E741 (word index)
     """Word I of each block's WPB 8-byte words, at word column blk * WPB + I of a row of WPR words."""
     col = blk * WPB + I
     tl.store(ptr + rows.to(tl.int64) * WPR + col, w.to(tl.int64, bitcast=True), mask=(rows < R) & (col < WPR))

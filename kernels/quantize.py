@@ -15,7 +15,11 @@ Operands without copies: ``x`` may be any strided 2D view, so the wgrad operands
 dimension) are ``quantize(dy.t(), width=M16)``: quantized like ``ref.quantize(pad(dy).t().contiguous())``
 without the pad or the transpose. ``width`` zero-pads the block dimension; ``gather`` (int [W], -1 = zero)
 picks its columns — the MoE wgrad operands, every expert's token segment padded to 16, straight from the
-sorted activations. ``operand(x, width, gather)`` builds that tensor explicitly (the reference path).
+sorted activations. ``operand(x, width, gather)`` builds that tensor explicitly (the reference path). Such a
+view's contiguous axis is its rows; quantized with formula "te", 1x16 blocks and tensor scaling (the wgrad
+operands) its passes run the plane kernels of ``_quantize_planes`` (``PLANE_PASSES``): the same arithmetic
+with each 16-block held by one thread, so the RHT and the block amax stay in registers and the codes and
+values leave as 8-byte words.
 
 Formula "vllm" (vLLM's activation quantizer) takes the same passes with its own scale arithmetic, every
 tile, scaling, rounding and RHT: G from the amax (tensor, row, static ``amax=``) or given (static
