@@ -7,6 +7,7 @@ and touched config files never land in the checkout.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -75,10 +76,11 @@ def test_all_on_cpu_leaves_out_the_gpu_kernel_bench(wf):
 def test_dry_run_h200_profile(wf):
     r = smk(wf, "-n", "-p", "all", "--profile", "workflow/profiles/h200")
     jobs = job_counts(r.stdout)
-    assert jobs.get("kernel_bench_csv") == 1 and jobs.get("bench_learner") == 3 and jobs.get("rl") == 3
-    assert "results/h200/minite_nvfp4/learner.json" in r.stdout
+    # the learner in 3 rounds over the arms: one job
+    assert jobs.get("kernel_bench_csv") == 1 and jobs.get("bench_learner") == 1 and jobs.get("rl") == 3
+    assert "results/h200/minite_nvfp4/learner.json" in r.stdout and "--rounds 3" in r.stdout
     # the throughput slice: Qwen3-30B-A3B, 2 layers, 16 x 2048 tokens per update, on the GPU
-    cmd = next(ln for ln in r.stdout.splitlines() if "bench-learner --arm bf16" in ln)
+    cmd = next(ln for ln in r.stdout.splitlines() if "bench-learner --arm $arm" in ln)
     for flag in ("--model qwen3_30b_a3b", "--layers 2", "--seq-len 2048", "--tokens-per-update 32768",
                  "--device cuda"):
         assert flag in cmd, cmd
@@ -220,6 +222,48 @@ def test_bad_config_is_a_clear_error(wf, config, message):
 def test_unknown_arm_output_is_not_a_target(wf):
     r = smk(wf, "-n", "results/cpu/fp8/learner.json", check=False)
     assert r.returncode != 0 and "MissingRuleException" in r.stdout + r.stderr
+
+
+def _rounds_config(wf, rounds: int, **args) -> str:
+    path = wf / "rounds.yaml"
+    path.write_text(f"jobs:\n  bench_learner:\n    rounds: {rounds}\n"
+                    + (f"    args: {{{', '.join(f'{k}: {v}' for k, v in args.items())}}}\n" if args else ""))
+    return str(path)
+
+
+def test_learner_rounds_are_one_job_in_rotated_order(wf):
+    """`rounds: 3`: one bench_learner job runs every arm once per round, round k starting at arm k, into
+    learner_rounds/round<k>.json, then merges them into each arm's learner.json; rounds: 0 is refused."""
+    r = smk(wf, "-n", "-p", "throughput_table", "--configfile", _rounds_config(wf, 3))
+    assert job_counts(r.stdout + r.stderr)["bench_learner"] == 1
+    assert ("for run in bf16:0 naive_te_nvfp4:0 minite_nvfp4:0 naive_te_nvfp4:1 minite_nvfp4:1 bf16:1 "
+            "minite_nvfp4:2 bf16:2 naive_te_nvfp4:2;") in r.stdout
+    assert "--out results/cpu/$arm/learner_rounds/round$k.json" in r.stdout
+    assert "minite.report merge-rounds --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4 --rounds 3" \
+        in r.stdout
+    bad = smk(wf, "-n", "throughput_table", "--configfile", _rounds_config(wf, 0), check=False)
+    assert bad.returncode != 0 and "minimum" in bad.stdout + bad.stderr
+
+
+@pytest.mark.slow
+def test_learner_rounds_run_and_pair_the_ratios(wf):
+    """Two rounds of the tiny model on CPU end to end: every round's record, the merged learner.json of each
+    arm, and a table whose ratios are paired per round."""
+    cfg = _rounds_config(wf, 2, device="cpu", steps=5, warmup=1)
+    smk(wf, "--cores", "2", "throughput_table", "--configfile", cfg)
+    res = wf / "results" / "cpu"
+    for arm in ARMS:
+        rec = json.loads((res / arm / "learner.json").read_text())
+        assert [r["round"] for r in rec["rounds"]] == [0, 1] and rec["median_round"] in (0, 1)
+        assert rec == {**json.loads((res / arm / "learner_rounds" / f"round{rec['median_round']}.json")
+                                    .read_text()), **{k: rec[k] for k in ("rounds", "median_round", "rounds_note")}}
+    df = pd.read_csv(res / "throughput_table.csv").set_index("arm")
+    assert (df["n_rounds"] == 2).all()
+    t = {arm: [r["tokens_per_s"] for r in json.loads((res / arm / "learner.json").read_text())["rounds"]]
+         for arm in ARMS}
+    per_round = [m / b for m, b in zip(t["minite_nvfp4"], t["bf16"], strict=True)]
+    assert df.loc["minite_nvfp4", "ratio_vs_bf16_lo"] == pytest.approx(min(per_round))
+    assert df.loc["minite_nvfp4", "ratio_vs_bf16_hi"] == pytest.approx(max(per_round))
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from minite.provenance import append_jsonl, write_json
-from minite.report import figures, load, tables
+from minite.report import figures, load, rounds, tables
 from minite.report.load import ResultError
 
 ARMS = ["bf16", "naive_te_nvfp4", "minite_nvfp4"]
@@ -129,11 +129,67 @@ def test_noisy_rows_are_flagged(results, steps, flag):
     minite_row = next(ln for ln in md.splitlines() if ln.startswith("| minite_nvfp4 |"))
     bf16_row = next(ln for ln in md.splitlines() if ln.startswith("| bf16 |"))
     if flag:
-        assert flag in md and "⚠" in minite_row.split("|")[7]             # minite vs naive: untrusted
-        assert "⚠" not in minite_row.split("|")[6]                         # minite vs bf16: both steady
-        assert "⚠" in bf16_row.split("|")[7]
+        assert flag in md and "⚠" in minite_row.split("|")[8]             # minite vs naive: untrusted
+        assert "⚠" not in minite_row.split("|")[7]                         # minite vs bf16: both steady
+        assert "⚠" in bf16_row.split("|")[8]
     else:
         assert not _warned_rows(md)
+
+
+def _rounds_of(results, arm, tps_per_round, steps_per_round=None):
+    """Write an arm's round records (bench-learner records, one per round) under learner_rounds/."""
+    for k, tps in enumerate(tps_per_round):
+        steps = steps_per_round[k] if steps_per_round else None
+        write_json(results / arm / rounds.round_file(k),
+                   {**learner_record(arm, tps, steps=steps, date=f"2026-12-01T10:0{k}:00+00:00"), "arm": arm})
+
+
+def test_rounds_plan_rotates_the_arms():
+    assert rounds.plan(["a", "b", "c"], 2) == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1)]
+    with pytest.raises(ValueError):
+        rounds.plan(["a"], 0)
+
+
+def test_rounds_merge_into_the_median_round_and_pair_the_ratios(results):
+    """learner.json from rounds: the median round's record (its own step times), tokens/s the median over
+    the rounds; each ratio the median of the per-round ratios, with their range; a round spread above 10%
+    flags the arm and every ratio with it."""
+    _rounds_of(results, "bf16", [1000.0, 900.0, 1100.0])
+    _rounds_of(results, "naive_te_nvfp4", [800.0, 810.0, 820.0], [None, [0.9, 1.0, 1.1, 1.0, 1.0], None])
+    _rounds_of(results, "minite_nvfp4", [700.0, 800.0, 880.0])
+    merged = rounds.write_merged(results, ARMS, 3)
+    naive = json.loads((results / "naive_te_nvfp4" / "learner.json").read_text())
+    assert naive == merged["naive_te_nvfp4"] and naive["median_round"] == 1 and naive["tokens_per_s"] == 810.0
+    assert naive["date"] == "2026-12-01T10:01:00+00:00" and len(naive["step_ms_all"]) == 5  # round 1's own
+    assert [r["tokens_per_s"] for r in naive["rounds"]] == [800.0, 810.0, 820.0]
+    df = tables.write_throughput_table(results, ARMS).set_index("arm")
+    # per round minite / bf16: 0.7, 0.889, 0.8 -> median 0.8 (the ratio of the medians would be 0.8 too, but
+    # the range is the rounds': 0.7-0.889), minite / naive: 0.875, 0.988, 1.073
+    assert df.loc["minite_nvfp4", "ratio_vs_bf16"] == pytest.approx(0.8)
+    assert df.loc["minite_nvfp4", "ratio_vs_bf16_lo"] == pytest.approx(0.7)
+    assert df.loc["minite_nvfp4", "ratio_vs_bf16_hi"] == pytest.approx(800 / 900)
+    assert df.loc["minite_nvfp4", "ratio_vs_naive"] == pytest.approx(800 / 810)
+    assert df.loc["bf16", "ratio_vs_bf16"] == df.loc["bf16", "ratio_vs_bf16_lo"] == 1.0
+    assert list(df["n_rounds"]) == [3, 3, 3]
+    assert df.loc["naive_te_nvfp4", "round_spread"] == pytest.approx(20 / 810)
+    assert df.loc["naive_te_nvfp4", "flag"] == ""
+    assert df.loc["bf16", "flag"] == "rounds differ by 20% > 10%"       # (1100 - 900) / 1000
+    md = (results / "throughput_table.md").read_text()
+    assert "Measured in 3 rounds" in md and "| 3 (2%) |" in md
+    minite_row = next(ln for ln in md.splitlines() if ln.startswith("| minite_nvfp4 |"))
+    assert "⚠" in minite_row.split("|")[7] and "0.80x (0.70-0.89)" in minite_row
+    with pytest.raises(ResultError, match="different arms"):
+        rounds.merge_rounds([{**learner_record("bf16", 1.0), "arm": "bf16"}, {**learner_record("x", 1.0), "arm": "x"}])
+
+
+def test_merge_rounds_writes_nothing_when_a_round_is_missing(results):
+    for arm in ARMS:
+        _rounds_of(results, arm, [1000.0, 900.0])
+    (results / "minite_nvfp4" / rounds.round_file(1)).unlink()               # a round that did not finish
+    before = (results / "bf16" / "learner.json").read_text()
+    with pytest.raises(FileNotFoundError, match="minite_nvfp4/learner_rounds/round1"):
+        rounds.write_merged(results, ARMS, 2)
+    assert (results / "bf16" / "learner.json").read_text() == before
 
 
 def test_reference_run_beside_the_new_one(results, tmp_path):

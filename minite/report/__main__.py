@@ -6,6 +6,7 @@
     python -m minite.report figure layers --results results/cpu --arms ... --out results/cpu/figures/layers
     python -m minite.report figure {drift,reward,kernels,attribution,study} ...
     python -m minite.report results-table --results results/drift --arms bf16 bf16_seed1 naive_te_nvfp4 ...
+    python -m minite.report merge-rounds --results results/h200 --arms ... --rounds 3
 (--arms: run directories, an arm or <arm>_seed<N>, for the RL tables and figures)
 
 The committed reference runs (results/reference/<profile>) render the same way: ``--results`` may name one.
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("results-table", help="results_table.{csv,md,tex}: accuracy and stability per arm, seeds "
                                              "pooled, from <results>/<run>/stability.jsonl (+ summaries, evals)")
     r.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
+    m = sub.add_parser("merge-rounds", help="<results>/<arm>/learner.json from the arm's learner_rounds/round<k>"
+                                            ".json (bench-learner run in rounds: minite.report.rounds)")
+    m.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
+    m.add_argument("--arms", nargs="+", required=True, help="the arms measured in the rounds")
+    m.add_argument("--rounds", type=int, required=True, help="how many rounds were run")
     for q in (t, f, r):
         q.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
         q.add_argument("--arms", nargs="+", default=[], help="arms, in display order")
@@ -47,6 +53,12 @@ def main(argv=None) -> int:
     if a.what == "table":
         df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile, a.reference)
         print(df.to_string(index=False))
+        return 0
+    if a.what == "merge-rounds":
+        from minite.report.rounds import write_merged
+        for arm, rec in write_merged(a.results, a.arms, a.rounds).items():
+            print(f"{arm}: {rec['tokens_per_s']:,.0f} tokens/s (round {rec['median_round']}, the median of {a.rounds}: "
+                  + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in rec["rounds"]) + ")")
         return 0
     if a.what == "results-table":
         from minite.report.results_table import write_results_table

@@ -54,10 +54,11 @@ def _paths(results_dir, arms, rel: str, missing: str) -> dict[str, Path]:
     return out
 
 
-def load_learner(results_dir, arms, missing: str = "raise") -> dict[str, dict]:
-    """arm -> the learner.json record, provenance fields (``provenance: {...}``) lifted to the top level."""
+def load_learner(results_dir, arms, missing: str = "raise", rel: str = "learner.json") -> dict[str, dict]:
+    """arm -> the learner.json record, provenance fields (``provenance: {...}``) lifted to the top level.
+    ``rel``: another bench-learner record of the arm's directory (a round: ``minite.report.rounds``)."""
     out = {}
-    for arm, path in _paths(results_dir, arms, "learner.json", missing).items():
+    for arm, path in _paths(results_dir, arms, rel, missing).items():
         rec = json.loads(path.read_text())
         if not isinstance(rec, dict):
             raise ResultError(f"{path}: expected a JSON object, got {type(rec).__name__}")

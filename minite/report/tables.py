@@ -6,7 +6,10 @@ number of timed steps and ``spread`` their interquartile range over the median (
 
 Ratios are against the ``bf16`` and ``naive_te_nvfp4`` rows of the same table (NaN when that arm is not
 among the arms requested): the ratio of the medians, with a range from the per-step distributions,
-``_lo`` = this arm's q25 tokens/s / the reference arm's q75 and ``_hi`` = q75 / q25.
+``_lo`` = this arm's q25 tokens/s / the reference arm's q75 and ``_hi`` = q75 / q25. Measured in rounds
+(``minite.report.rounds``: every record has the same number of ``rounds``, at least two) a ratio is the
+median of the per-round ratios and its range their minimum and maximum; ``n_rounds`` and ``round_spread``
+((max - min) / median of an arm's round tokens/s) say how far the rounds agree.
 
 Rollout columns (``rollout_*``, NaN for arms without a ``rollout.json`` of ``bench-sampler``): decode tokens/s,
 its ratio to the ``bf16`` arm's, the fraction of the weights' bandwidth roofline reached, the median decode
@@ -14,12 +17,13 @@ step (ms). The rollout setup (model slice, batch) is its own and is stated in th
 10th-90th percentile step and the ratio's range from them.
 
 The trust rule (``flag``): a row is flagged when it has fewer than ``MIN_STEPS`` timed steps (too few to
-know its spread) or a spread above ``SPREAD_LIMIT`` (10%: a ratio against it can be off by that much);
-a ratio involving a flagged row is marked as not to be trusted.
+know its spread), a spread above ``SPREAD_LIMIT`` (10%: a ratio against it can be off by that much) or
+rounds that disagree by more than that; a ratio involving a flagged row is marked as not to be trusted.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -28,7 +32,8 @@ from minite.provenance import write_csv, write_text
 from minite.report.load import ResultError, load_learner, load_rollout
 from minite.telemetry import SPREAD_LIMIT, timing_summary
 
-COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "flag",
+COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "n_rounds",
+           "round_spread", "flag",
            "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi",
            "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
            "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver",
@@ -36,8 +41,9 @@ COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_ste
 BF16, NAIVE, MINITE = "bf16", "naive_te_nvfp4", "minite_nvfp4"
 #: Fewer timed steps than this and the spread is unknown: the row is flagged.
 MIN_STEPS = 5
-TRUST_RULE = (f"a row is flagged when it has fewer than {MIN_STEPS} timed steps or its step times' "
-              f"interquartile range exceeds {100 * SPREAD_LIMIT:.0f}% of their median; a ratio involving a "
+TRUST_RULE = (f"a row is flagged when it has fewer than {MIN_STEPS} timed steps, its step times' "
+              f"interquartile range exceeds {100 * SPREAD_LIMIT:.0f}% of their median, or its rounds' "
+              f"tokens/s differ by more than {100 * SPREAD_LIMIT:.0f}% of their median; a ratio involving a "
               "flagged row is marked ⚠ and should not be trusted (rerun on a quiet machine)")
 
 #: The miniTE paper's learner throughput (Qwen3-30B-A3B, one B300 node). Quoted, never measured here.
@@ -45,21 +51,30 @@ PAPER = {"model": "Qwen3-30B-A3B (full model)", "device": "one B300 node",
          "arm": MINITE, "tokens_per_s": 33540.0, "ratio_vs_bf16": 1.39, "ratio_vs_naive": 1.47}
 
 
-def _flag(n: int, spread: float) -> str:
+def _flag(n: int, spread: float, round_spread: float) -> str:
     if n < MIN_STEPS:
         return f"only {n} timed steps"
     if not spread <= SPREAD_LIMIT:
         return f"spread {100 * spread:.0f}% > {100 * SPREAD_LIMIT:.0f}%"
+    if round_spread > SPREAD_LIMIT:
+        return f"rounds differ by {100 * round_spread:.0f}% > {100 * SPREAD_LIMIT:.0f}%"
     return ""
+
+
+def _round_tps(rec: dict) -> list[float]:
+    return [float(r["tokens_per_s"]) for r in rec.get("rounds") or []]
 
 
 def _row(arm: str, rec: dict) -> dict:
     steps = rec.get("step_ms_all") or [rec["step_ms"]]     # records without per-step times: n = 1
     t = timing_summary(steps)
-    tps = float(rec["tokens_per_s"])                        # = tokens / median step time
+    tps = float(rec["tokens_per_s"])                        # = tokens / median step time (of the median round)
+    rounds = _round_tps(rec)
+    round_spread = (max(rounds) - min(rounds)) / statistics.median(rounds) if len(rounds) > 1 else math.nan
     return {"arm": arm, "tokens_per_s": tps, "tokens_per_s_q25": tps * rec["step_ms"] / t["q75"],
             "tokens_per_s_q75": tps * rec["step_ms"] / t["q25"], "n_steps": t["n"], "spread": t["spread"],
-            "flag": _flag(t["n"], t["spread"]),
+            "n_rounds": max(1, len(rounds)), "round_spread": round_spread,
+            "flag": _flag(t["n"], t["spread"], round_spread),
             **{c: rec.get(c) for c in ("step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch",
                                        "triton", "gpu_driver")}}
 
@@ -75,6 +90,8 @@ def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None =
                           "be meaningless; rerun bench-learner for every arm with one config")
     df = pd.DataFrame([_row(arm, rec) for arm, rec in learner.items()])
     rows = df.set_index("arm")
+    counts = {len(_round_tps(rec)) for rec in learner.values()}
+    paired = len(counts) == 1 and min(counts) > 1    # every arm measured in the same rounds: pair them
     for ref, name in ((BF16, "ratio_vs_bf16"), (NAIVE, "ratio_vs_naive")):
         if ref not in rows.index:
             df[name] = df[f"{name}_lo"] = df[f"{name}_hi"] = math.nan
@@ -83,7 +100,12 @@ def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None =
         df[name] = df["tokens_per_s"] / r.tokens_per_s
         df[f"{name}_lo"] = df["tokens_per_s_q25"] / r.tokens_per_s_q75
         df[f"{name}_hi"] = df["tokens_per_s_q75"] / r.tokens_per_s_q25
-        df.loc[df["arm"] == ref, [f"{name}_lo", f"{name}_hi"]] = 1.0    # an arm against itself: exactly 1
+        if paired:
+            per_round = [[a / b for a, b in zip(_round_tps(learner[arm]), _round_tps(learner[ref]), strict=True)]
+                         for arm in df["arm"]]
+            df[name] = [statistics.median(x) for x in per_round]
+            df[f"{name}_lo"], df[f"{name}_hi"] = [min(x) for x in per_round], [max(x) for x in per_round]
+        df.loc[df["arm"] == ref, [name, f"{name}_lo", f"{name}_hi"]] = 1.0    # an arm against itself: exactly 1
     df["tokens_per_s"] = df["tokens_per_s"].astype(float)
     rollout = rollout or {}
     df["rollout_tokens_per_s"] = [float(rollout[a]["decode_tokens_per_s"]) if a in rollout else math.nan
@@ -139,12 +161,17 @@ def run_label(learner: dict[str, dict]) -> str:
 def _throughput_rows(df: pd.DataFrame) -> list[list[str]]:
     return [[r.arm, _fmt(r.tokens_per_s, ",.0f"),
              f"{_fmt(r.tokens_per_s_q25, ',.0f')}-{_fmt(r.tokens_per_s_q75, ',.0f')}", str(r.n_steps),
-             _fmt(100 * r.spread, ".0f") + "%", _ratio_range(df, r, "ratio_vs_bf16", BF16),
+             _fmt(100 * r.spread, ".0f") + "%", _rounds(r), _ratio_range(df, r, "ratio_vs_bf16", BF16),
              _ratio_range(df, r, "ratio_vs_naive", NAIVE), _fmt(r.step_ms, ",.1f"), _fmt(r.peak_mem_gb, ".2f"),
              r.flag or "ok"] for r in df.itertuples()]
 
 
-THROUGHPUT_HEADER = ["arm", "tokens/s (median)", "interquartile range", "steps", "spread", "vs BF16",
+def _rounds(r) -> str:
+    """'3 (12%)': rounds and how far their tokens/s differ (max - min over the median); '1' for one run."""
+    return str(r.n_rounds) + ("" if _nan(r.round_spread) else f" ({100 * r.round_spread:.0f}%)")
+
+
+THROUGHPUT_HEADER = ["arm", "tokens/s (median)", "interquartile range", "steps", "spread", "rounds", "vs BF16",
                      "vs naive TE NVFP4", "step (ms)", "peak mem (GB)", "trust"]
 
 
@@ -196,9 +223,7 @@ def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
            f"(this run: {run_label(learner)}).", "",
            "tokens/s is tokens per update over the median step time; the interquartile range, the number of "
            "timed steps and the spread (interquartile range / median of the step times) say how steady the "
-           "machine was. Ratios are ratios of medians, with a range from the per-step distributions "
-           "(this arm's lower quartile over the other's upper, and the reverse). Trust rule: " + TRUST_RULE
-           + ".", ""]
+           "machine was. " + _ratio_text(df) + " Trust rule: " + TRUST_RULE + ".", ""]
     if len(devices) > 1:
         out += ["**Warning: the arms were measured on different devices; the ratios compare devices as "
                 "well as arms.**", ""]
@@ -223,6 +248,18 @@ def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
             "NVFP4 arms run emulated and the ratios measure overheads, not the paper's claim.", "",
             "## Provenance", "", _provenance_table(learner), ""]
     return "\n".join(out)
+
+
+def _ratio_text(df: pd.DataFrame) -> str:
+    rounds = set(df["n_rounds"])
+    if len(rounds) == 1 and min(rounds) > 1:
+        return (f"Measured in {min(rounds)} rounds, every arm once per round, one after another (rotated "
+                "from round to round): each row is the arm's median round by tokens/s (the lower middle one "
+                "for an even count), and rounds gives how far the rounds' tokens/s differ (max - min over the "
+                "median). Ratios are the median of the ratios within each round, with their range over the "
+                "rounds.")
+    return ("Ratios are ratios of medians, with a range from the per-step distributions (this arm's lower "
+            "quartile over the other's upper, and the reverse).")
 
 
 def _provenance_table(learner: dict[str, dict]) -> str:
@@ -260,6 +297,7 @@ def to_latex(df: pd.DataFrame) -> str:
         "IQR": [f"{a:,.0f}--{b:,.0f}"
                 for a, b in zip(df["tokens_per_s_q25"], df["tokens_per_s_q75"], strict=True)],
         "n": df["n_steps"],
+        "Rounds": df["n_rounds"],
         "vs BF16": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_bf16"], df["ratio_vs_bf16_lo"],
                                                                   df["ratio_vs_bf16_hi"], strict=True)],
         "vs naive": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_naive"], df["ratio_vs_naive_lo"],
@@ -270,7 +308,7 @@ def to_latex(df: pd.DataFrame) -> str:
     })
     sty = t.style.hide(axis="index").format(escape="latex", subset=["Arm", "Trust"])
     return sty.to_latex(hrules=True, column_format="l" + "r" * (t.shape[1] - 2) + "l") + \
-        f"% ratios: ratio of medians (range from the per-step interquartile ranges). {TRUST_RULE}\n" + \
+        f"% ratios: {_ratio_text(df)} {TRUST_RULE}\n" + \
         f"% paper ({PAPER['device']}, {PAPER['model']}): {PAPER['tokens_per_s']:,.0f} tokens/s, " \
         f"{PAPER['ratio_vs_bf16']:.2f}x BF16, {PAPER['ratio_vs_naive']:.2f}x naive TE NVFP4\n"
 

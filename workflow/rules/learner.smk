@@ -1,23 +1,58 @@
-# Learner throughput: bench-learner per arm; rollout throughput: bench-sampler per arm (when the profile has a
-# bench_sampler job); then the table (csv/md/tex, learner and rollout columns) and the bar figure.
+# Learner throughput: bench-learner per arm, or, with `rounds: N` in the bench_learner job, every arm once per
+# round for N rounds (minite.report.rounds: ratios paired within a round); rollout throughput: bench-sampler
+# per arm (when the profile has a bench_sampler job); then the table (csv/md/tex, learner and rollout
+# columns) and the bar figure.
+from minite.report import rounds as learner_rounds
 
+LEARNER_ROUNDS = int(job("bench_learner").get("rounds", 1))
 
-rule bench_learner:
-    input:
-        arm=arm_yaml,
-        model=model_inputs("bench_learner"),
-    output:
-        f"{RESULTS}/{{arm}}/learner.json",
-    params:
-        args=job_args("bench_learner"),
-    log:
-        f"{LOGS}/bench_learner/{{arm}}.log",
-    threads: job_threads("bench_learner")  # a benchmark: by default it has the machine to itself
-    resources:
-        gpu=job_gpus("bench_learner"),
-    shell:
-        "OMP_NUM_THREADS={threads} " + minite("bench_learner") + " bench-learner --arm {wildcards.arm} {params.args}"
-        " --out {output} > {log} 2>&1"
+if LEARNER_ROUNDS == 1:
+
+    rule bench_learner:
+        input:
+            arm=arm_yaml,
+            model=model_inputs("bench_learner"),
+        output:
+            f"{RESULTS}/{{arm}}/learner.json",
+        params:
+            args=job_args("bench_learner"),
+        log:
+            f"{LOGS}/bench_learner/{{arm}}.log",
+        threads: job_threads("bench_learner")  # a benchmark: by default it has the machine to itself
+        resources:
+            gpu=job_gpus("bench_learner"),
+        shell:
+            "OMP_NUM_THREADS={threads} " + minite("bench_learner") + " bench-learner --arm {wildcards.arm}"
+            " {params.args} --out {output} > {log} 2>&1"
+
+else:
+
+    # One job for all arms: a round pairs the arms measured in it, so one arm is never re-measured alone.
+    # The rounds run in minite.report.rounds.plan's order; a failed run fails the job (nothing merged).
+    rule bench_learner:
+        input:
+            arms=per_arm("configs/arms/{arm}.yaml"),
+            model=model_inputs("bench_learner"),
+        output:
+            merged=per_arm(f"{RESULTS}/{{arm}}/learner.json"),
+            rounds=[f"{RESULTS}/{arm}/learner_rounds/round{k}.json" for k in range(LEARNER_ROUNDS) for arm in ARMS],
+        params:
+            args=job_args("bench_learner"),
+            plan=" ".join(f"{arm}:{k}" for arm, k in learner_rounds.plan(ARMS, LEARNER_ROUNDS)),
+            arms=" ".join(ARMS),
+            rounds=LEARNER_ROUNDS,
+            results=RESULTS,
+        log:
+            f"{LOGS}/bench_learner/rounds.log",
+        threads: job_threads("bench_learner")
+        resources:
+            gpu=job_gpus("bench_learner"),
+        shell:
+            "for run in {params.plan}; do arm=${{run%%:*}}; k=${{run##*:}}; echo \"== round $k: $arm\";"
+            " OMP_NUM_THREADS={threads} " + minite("bench_learner") + " bench-learner --arm $arm {params.args}"
+            " --out {params.results}/$arm/learner_rounds/round$k.json || exit 1; done > {log} 2>&1;"
+            " {PY} -m minite.report merge-rounds --results {params.results} --arms {params.arms}"
+            " --rounds {params.rounds} >> {log} 2>&1"
 
 
 # Rollout (decode) throughput beside the learner's, for profiles that configure a bench_sampler job.

@@ -1,0 +1,67 @@
+"""Learner throughput in rounds: every arm measured once per round, the arms one after another, then the
+next round; ratios paired within a round.
+
+Why: an arm's update time can move between two runs of the same code on the same machine by more than its
+own spread within a run (the NVFP4 arms, whose updates launch the most kernels from Python, most of all). One
+run per arm, the arms one after another, then measures the arms at different moments of the machine's
+drift, and a ratio of two such runs carries that drift. Rounds measure every arm at each moment, and the ratio
+of two arms is taken within each round.
+
+Layout: round k of an arm is ``<results>/<arm>/learner_rounds/round<k>.json`` (a ``bench-learner`` record);
+``merge_rounds`` makes the arm's ``learner.json`` from them: the record of its median round by tokens/s (the
+lower middle one for an even count), so tokens/s, step times, split, telemetry and provenance all come from
+one real run, with ``rounds`` listing every round's figures. ``minite.report.tables`` then takes each ratio
+as the median of the per-round ratios, with their range, and flags an arm whose rounds disagree by more than
+the spread limit.
+
+``plan(arms, rounds)`` is the order the pipeline runs them in: round k starts at arm k mod n, so no arm always
+runs first (after a previous job) or last.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from minite.provenance import write_json
+from minite.report.load import ResultError, load_learner
+
+
+def round_file(k: int) -> str:
+    """Round k's record, relative to the arm's directory."""
+    return f"learner_rounds/round{k}.json"
+
+
+def plan(arms: list[str], rounds: int) -> list[tuple[str, int]]:
+    """(arm, round) in run order: rounds one after another, each over every arm, rotated by one per round."""
+    if rounds < 1 or not arms:
+        raise ValueError(f"need at least one round and one arm, got rounds={rounds}, arms={arms}")
+    return [(arms[(k + i) % len(arms)], k) for k in range(rounds) for i in range(len(arms))]
+
+
+def merge_rounds(records: list[dict]) -> dict:
+    """One arm's round records (in round order) -> its learner.json record: the median round's record, with
+    ``rounds`` = every round's figures and ``median_round`` its index."""
+    if not records:
+        raise ResultError("no rounds to merge")
+    setups = {(str(r["model"]), str(r["layers"]), str(r.get("arm"))) for r in records}
+    if len(setups) > 1:
+        raise ResultError(f"rounds of different arms or model slices {sorted(setups)} cannot be merged")
+    tps = [float(r["tokens_per_s"]) for r in records]
+    mid = sorted(range(len(tps)), key=tps.__getitem__)[(len(tps) - 1) // 2]   # the lower middle when even
+    out = dict(records[mid])
+    out["median_round"] = mid
+    out["rounds"] = [{"round": k, "tokens_per_s": float(r["tokens_per_s"]), "step_ms": float(r["step_ms"]),
+                      "step_ms_stats": r.get("step_ms_stats"), "date": r.get("date")}
+                     for k, r in enumerate(records)]
+    out["rounds_note"] = (f"{len(records)} rounds, every arm once per round (minite.report.rounds); this "
+                          f"record is round {mid}'s, the median round by tokens/s")
+    return out
+
+
+def write_merged(results_dir, arms: list[str], rounds: int) -> dict[str, dict]:
+    """Merge each arm's rounds into ``<results_dir>/<arm>/learner.json`` (atomically; nothing is written
+    unless every round of every arm reads back as a valid record)."""
+    per_round = [load_learner(results_dir, arms, rel=round_file(k)) for k in range(rounds)]
+    merged = {arm: merge_rounds([per_round[k][arm] for k in range(rounds)]) for arm in arms}
+    for arm, rec in merged.items():
+        write_json(Path(results_dir) / arm / "learner.json", rec)
+    return merged
