@@ -292,11 +292,13 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
     res = clone / "results" / "cpu"
     df = pd.read_csv(res / "throughput_table.csv")
     assert list(df.columns) == [
-        "arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "flag",
+        "arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_steps", "spread", "n_rounds",
+        "round_spread", "flag",
         "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
         "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
         "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms"]
     assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()
+    assert (df["n_rounds"] == 1).all() and df["round_spread"].isna().all()   # the cpu profile: one run per arm
     assert job_counts(r.stdout + r.stderr).get("bench_sampler") == 3   # the rollout columns, measured too
     assert (df["rollout_tokens_per_s"] > 0).all() and (df["rollout_roofline_frac"] > 0).all()
     assert (df["sha"] == head).all(), (df["sha"].tolist(), head)       # this commit, clean tree
