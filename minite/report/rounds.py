@@ -4,8 +4,8 @@ next round; ratios paired within a round.
 Why: an arm's update time can move between two runs of the same code on the same machine by more than its
 own spread within a run (on an H200, miniTE's took 562 and 499 ms per update in two pipeline runs of one
 commit, while BF16's stayed within 0.4%). One run per arm, the arms one after another, then measures the arms
-at different moments of the machine's drift, and a ratio of two such runs carries that drift. Rounds measure every arm at each moment, and the ratio
-of two arms is taken within each round.
+at different moments of the machine's drift, and a ratio of two such runs carries that drift. Rounds measure
+every arm at each moment, and the ratio of two arms is taken within each round.
 
 Layout: round k of an arm is ``<results>/<arm>/learner_rounds/round<k>.json`` (a ``bench-learner`` record);
 ``merge_rounds`` makes the arm's ``learner.json`` from them: the record of its median round by tokens/s (the
