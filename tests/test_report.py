@@ -144,12 +144,6 @@ def _rounds_of(results, arm, tps_per_round, steps_per_round=None):
                    {**learner_record(arm, tps, steps=steps, date=f"2026-12-01T10:0{k}:00+00:00"), "arm": arm})
 
 
-def test_rounds_plan_rotates_the_arms():
-    assert rounds.plan(["a", "b", "c"], 2) == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1)]
-    with pytest.raises(ValueError):
-        rounds.plan(["a"], 0)
-
-
 def test_rounds_merge_into_the_median_round_and_pair_the_ratios(results):
     """learner.json from rounds: the median round's record (its own step times), tokens/s the median over
     the rounds; each ratio the median of the per-round ratios, with their range; a round spread above 10%

@@ -14,8 +14,8 @@ one real run, with ``rounds`` listing every round's figures. ``minite.report.tab
 as the median of the per-round ratios, with their range, and flags an arm whose rounds disagree by more than
 the spread limit.
 
-``plan(arms, rounds)`` is the order the pipeline runs them in: round k starts at arm k mod n, so no arm always
-runs first (after a previous job) or last.
+The pipeline's rule (workflow/rules/learner.smk, ``rounds:`` in the bench_learner job) runs the rounds, round k
+starting at arm k mod n, so no arm always runs first or last.
 """
 from __future__ import annotations
 
@@ -28,13 +28,6 @@ from minite.report.load import ResultError, load_learner
 def round_file(k: int) -> str:
     """Round k's record, relative to the arm's directory."""
     return f"learner_rounds/round{k}.json"
-
-
-def plan(arms: list[str], rounds: int) -> list[tuple[str, int]]:
-    """(arm, round) in run order: rounds one after another, each over every arm, rotated by one per round."""
-    if rounds < 1 or not arms:
-        raise ValueError(f"need at least one round and one arm, got rounds={rounds}, arms={arms}")
-    return [(arms[(k + i) % len(arms)], k) for k in range(rounds) for i in range(len(arms))]
 
 
 def merge_rounds(records: list[dict]) -> dict:

@@ -2,9 +2,14 @@
 # round for N rounds (minite.report.rounds: ratios paired within a round); rollout throughput: bench-sampler
 # per arm (when the profile has a bench_sampler job); then the table (csv/md/tex, learner and rollout
 # columns) and the bar figure.
-from minite.report import rounds as learner_rounds
-
 LEARNER_ROUNDS = int(job("bench_learner").get("rounds", 1))
+
+
+def learner_round_plan(arms: list[str], rounds: int) -> list[tuple[str, int]]:
+    """(arm, round) in run order: round after round, each over every arm, round k starting at arm k mod n,
+    so no arm always runs first (after whatever job ran before) or last."""
+    return [(arms[(k + i) % len(arms)], k) for k in range(rounds) for i in range(len(arms))]
+
 
 if LEARNER_ROUNDS == 1:
 
@@ -28,7 +33,7 @@ if LEARNER_ROUNDS == 1:
 else:
 
     # One job for all arms: a round pairs the arms measured in it, so one arm is never re-measured alone.
-    # The rounds run in minite.report.rounds.plan's order; a failed run fails the job (nothing merged).
+    # A failed run fails the job (nothing merged). minite.report.rounds: the merge and the paired ratios.
     rule bench_learner:
         input:
             arms=per_arm("configs/arms/{arm}.yaml"),
@@ -38,7 +43,7 @@ else:
             rounds=[f"{RESULTS}/{arm}/learner_rounds/round{k}.json" for k in range(LEARNER_ROUNDS) for arm in ARMS],
         params:
             args=job_args("bench_learner"),
-            plan=" ".join(f"{arm}:{k}" for arm, k in learner_rounds.plan(ARMS, LEARNER_ROUNDS)),
+            plan=" ".join(f"{arm}:{k}" for arm, k in learner_round_plan(ARMS, LEARNER_ROUNDS)),
             arms=" ".join(ARMS),
             rounds=LEARNER_ROUNDS,
             results=RESULTS,
