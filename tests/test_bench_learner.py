@@ -27,6 +27,9 @@ def test_bench_learner_writes_json(tmp_path, arm, quantized):
     assert stats["n"] == 2 and stats["median"] == pytest.approx(d["step_ms"])
     assert stats["min"] == min(d["step_ms_all"]) <= stats["q25"] <= stats["q75"] <= stats["max"]
     assert d["step_split_ms"]["optimizer"] > 0 and d["peak_mem_gb"] > 0
+    # the split comes from two more updates that time the quantize / GEMM blocks (the timed ones do not)
+    assert d["step_split_steps"] == 2 and d["step_split_step_ms"] > 0
+    assert d["step_split_ms"]["quantize"] > 0 and d["step_split_ms"]["gemm"] > 0
     assert d["telemetry"]["note"] and "Hopper" in d["note"]
     assert d["weight_quantizations_per_update"] == quantized          # re-quantized every forward
 

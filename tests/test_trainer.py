@@ -47,6 +47,17 @@ def test_update_report_fields():
     assert Trainer("bf16", "tiny").update(_batch())["times"]["gemm"] is None   # not separable in HF modules
 
 
+def test_update_without_split_timing_times_no_block():
+    tr = Trainer("minite_nvfp4", "tiny", micro_batch_size=1)
+    tr.qstate.split_timing = False
+    calls = []
+    tr.qstate._timed = lambda *a: calls.append(a)      # the instrumented path must not be entered
+    r = tr.update(_batch())
+    t = r["times"]
+    assert calls == [] and t["quantize"] is None and t["gemm"] is None
+    assert t["other"] + t["optimizer"] == pytest.approx(r["time_s"]) and t["other"] > 0
+
+
 def _n_quantized(tr):
     lin = sum(isinstance(m, Q.NVFP4Linear) or hasattr(m, "cache") for m in tr.model.modules())
     return lin + 2 * sum(getattr(m, "minite_quant", None) is not None for m in tr.model.modules())

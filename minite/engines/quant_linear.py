@@ -40,6 +40,9 @@ from minite.engines.gemm import hp_linear
 from minite import kernels as _kernels
 
 
+_NO_TIMING = contextlib.nullcontext()
+
+
 class QuantState:
     """What every NVFP4 module of one trainer shares: the recipe, the update counter the weight cache is
     keyed on, the generator stochastic rounding draws its seeds from, and counters for timing reports."""
@@ -54,6 +57,7 @@ class QuantState:
         self.weight_quantizations = 0        # weight tensors quantized (one per module per quantization)
         self.act_quantizations = 0           # activation / gradient tensors quantized
         self.cuda = False                    # set by the trainer: time with CUDA events instead of the host clock
+        self.split_timing = True             # time the quantize / gemm blocks (``timed``)
         self._host = defaultdict(float)
         self._events = defaultdict(list)
         self._free_events: list = []         # recorded and read: reusable
@@ -62,17 +66,26 @@ class QuantState:
         """The master weights changed (optimizer step / load): cached codes are stale."""
         self.version += 1
 
-    @contextlib.contextmanager
     def timed(self, key: str, what: str = ""):
-        """Accumulate the time of a block under ``key`` ("quantize" / "gemm"): CUDA events on the GPU (no
-        sync here; ``collect`` syncs once), the host clock on CPU (where ops are synchronous). While a profiler
-        runs (bench-learner --torch-profile) the block is also a range ``minite.<key>[.<what>]``. A learner
-        update times ~1,400 blocks, so a block's own host cost matters: events are reused across collects and
-        the profiler range is only opened when a profiler listens."""
+        """A context that accumulates the time of its block under ``key`` ("quantize" / "gemm") while
+        ``split_timing`` is on: CUDA events on the GPU (no sync here; ``collect`` syncs once), the host clock on
+        CPU (where ops are synchronous). While a profiler runs (bench-learner --torch-profile) the block is also
+        a range ``minite.<key>[.<what>]``. A learner update has ~1,400 such blocks and a kernel-path update is
+        bound by its host, so timing them costs update time: with ``split_timing`` off and no profiler this is
+        one shared no-op context."""
+        profiling = torch._C._autograd._profiler_enabled()
+        if not (self.split_timing or profiling):
+            return _NO_TIMING
+        return self._timed(key, what, profiling)
+
+    @contextlib.contextmanager
+    def _timed(self, key: str, what: str, profiling: bool):
         rng = (torch.profiler.record_function(f"minite.{key}" + (f".{what}" if what else ""))
-               if torch._C._autograd._profiler_enabled() else contextlib.nullcontext())
+               if profiling else contextlib.nullcontext())
         with rng:
-            if self.cuda:
+            if not self.split_timing:
+                yield
+            elif self.cuda:
                 e0, e1 = self._event(), self._event()
                 e0.record()
                 yield

@@ -280,12 +280,16 @@ class Trainer:
             opt_s = time.perf_counter() - t_opt
         spent = self.qstate.collect()
         total_s = time.perf_counter() - t_start
-        quant_s = spent.get("quantize", 0.0)
-        gemm_s = spent.get("gemm") if r_nvfp4 else None   # BF16 GEMMs inside HF modules are not separated
+        if self.qstate.split_timing:
+            quant_s = spent.get("quantize", 0.0)
+            gemm_s = spent.get("gemm") if r_nvfp4 else None   # BF16 GEMMs inside HF modules are not separated
+            other_s = total_s - opt_s - quant_s - (gemm_s or 0.0)
+        else:    # not timed (``QuantState.split_timing``): forward and backward as one figure
+            quant_s = gemm_s = None
+            other_s = total_s - opt_s
         return {"loss": total, "grad_norm": grad_norm, "tokens": n_seen,
                 "time_s": total_s,
-                "times": {"quantize": quant_s, "gemm": gemm_s,
-                          "other": total_s - opt_s - quant_s - (gemm_s or 0.0), "optimizer": opt_s},
+                "times": {"quantize": quant_s, "gemm": gemm_s, "other": other_s, "optimizer": opt_s},
                 "weight_quantizations": self.qstate.weight_quantizations,
                 "act_quantizations": self.qstate.act_quantizations}
 

@@ -7,6 +7,11 @@ min, max; ``minite.telemetry.timing_summary``), so a reader can tell a measureme
 Writes one JSON (atomically; nothing on a bad arm/model) with the step split, peak memory, GPU telemetry
 and provenance (sha, device, command, date, torch / triton versions, GPU driver).
 
+The step split (quantize / gemm / other / optimizer) comes from ``--split-steps`` further updates that put CUDA
+events around each of the ~1,400 quantize and GEMM blocks of an update; the timed updates run without them.
+The kernel path's update is bound by its host (the GPU waits for launches), so those events' own host cost
+would otherwise be part of the measured step.
+
 Under torchrun (``--nproc-per-node N``) the update's sequences are split over the N ranks (the FSDP2 learner,
 ``minite.engines.fsdp``): tokens per update stay the global batch, so tokens_per_s compares with one GPU;
 ``peak_mem_gb`` is the largest of the ranks (``peak_mem_gb_per_rank`` lists them) and rank 0 writes.
@@ -53,6 +58,9 @@ def add_args(p) -> None:
     p.add_argument("--steps", type=int, default=20,
                    help="timed updates after warm-up (their median is the result, their spread is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed updates first")
+    p.add_argument("--split-steps", type=int, default=2,
+                   help="updates after the timed ones with the quantize / gemm blocks timed (step_split_ms); "
+                        "the timed updates run without that instrumentation")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     p.add_argument("--checkpoint", default=None, help="local HF checkpoint dir (default: random init)")
     p.add_argument("--weight-cache", choices=("per_update", "per_forward"), default=None,
@@ -93,8 +101,8 @@ def run(args) -> int:
         return _fail(f"--tokens-per-update {tokens} must be a positive multiple of --seq-len {seq_len}")
     if seq_len > cfg["max_position_embeddings"]:
         return _fail(f"--seq-len {seq_len} > max_position_embeddings {cfg['max_position_embeddings']}")
-    if args.steps < 1 or args.warmup < 0:
-        return _fail("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.split_steps < 0:
+        return _fail("--steps must be >= 1, --warmup and --split-steps >= 0")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         return _fail("--device cuda but no CUDA GPU is available")
@@ -120,12 +128,16 @@ def run(args) -> int:
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    results = []
+    results, split_results = [], []
     tel = GPUTelemetry(device)
-    for i in tqdm(range(args.warmup + args.steps), desc=f"bench-learner {arm.name}", unit="update",
+    n_timed = args.warmup + args.steps
+    for i in tqdm(range(n_timed + args.split_steps), desc=f"bench-learner {arm.name}", unit="update",
                   disable=not D.is_main()):
         if i == args.warmup:
             tel.start()
+        if i == n_timed:
+            tel.stop()
+        trainer.qstate.split_timing = i >= n_timed   # the timed updates carry no split instrumentation
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -133,15 +145,19 @@ def run(args) -> int:
         if cuda:
             torch.cuda.synchronize()
         r["wall_s"] = time.perf_counter() - t0
-        if i >= args.warmup:
+        if i >= n_timed:
+            split_results.append(r)
+        elif i >= args.warmup:
             results.append(r)
-    tel.stop()
+    if not split_results:
+        tel.stop()
+    trainer.qstate.split_timing = True
     step_s = [r["wall_s"] for r in results]
     stats = timing_summary([t * 1e3 for t in step_s])
     med = statistics.median(step_s)
 
     def split(key):
-        vals = [r["times"][key] for r in results if r["times"][key] is not None]
+        vals = [r["times"][key] for r in split_results if r["times"][key] is not None]
         return statistics.median(vals) * 1e3 if vals else None
 
     if cuda:
@@ -158,7 +174,12 @@ def run(args) -> int:
         "tokens_per_s": tokens / med, "step_ms": med * 1e3, "step_ms_all": [s * 1e3 for s in step_s],
         "step_ms_stats": stats,
         "step_split_ms": {k: split(k) for k in ("quantize", "gemm", "other", "optimizer")},
-        "step_split_note": "medians over timed steps; CUDA events on GPU, host clock on CPU. quantize = NVFP4 "
+        "step_split_steps": len(split_results),
+        "step_split_step_ms": (statistics.median(r["wall_s"] for r in split_results) * 1e3
+                               if split_results else None),
+        "step_split_note": "medians over the --split-steps updates after the timed ones, which time every "
+                           "quantize / GEMM block (their update time is step_split_step_ms: the blocks' own "
+                           "host cost is not in step_ms); CUDA events on GPU, host clock on CPU. quantize = NVFP4 "
                            "weight/activation/gradient quantization inside minite's modules; gemm = their "
                            "NVFP4 GEMMs, forward and backward (the kernel path's fp16 decode passes and the "
                            "emulated path's dequantize included); "
