@@ -361,7 +361,25 @@ def _grouped_proven(cfg: dict, device) -> bool:
 
 def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
     """Device-side (no host sync) list of row tiles: expert id (-1 = unused slot) and first row, sized by
-    the upper bound cdiv(M, BM) + E, valid tiles first; and the number of valid tiles (int64 [1])."""
+    the upper bound cdiv(M, BM) + E, valid tiles first; and the number of valid tiles (int64 [1]). One
+    Triton launch (``_triton_schedule``); ``_tile_schedule_torch`` is the same in PyTorch ops."""
+    import triton
+
+    from . import _triton_schedule as ts
+    e = offsets.numel() - 1
+    bound = (m + bm - 1) // bm + e
+    dev = offsets.device
+    tile_e = torch.empty(bound, dtype=torch.int32, device=dev)
+    tile_r = torch.empty(bound, dtype=torch.int32, device=dev)
+    n_valid = torch.empty(1, dtype=torch.int64, device=dev)
+    bi = 64
+    ts.tile_schedule_kernel[(triton.cdiv(bound, bi),)](offsets, tile_e, tile_r, n_valid, e, bound, BM=bm,
+                                                       BE=max(16, triton.next_power_of_2(e)), BI=bi)
+    return tile_e, tile_r, bound, n_valid
+
+
+def _tile_schedule_torch(offsets: torch.Tensor, m: int, bm: int):
+    """``_tile_schedule`` in PyTorch ops (its reference)."""
     e = offsets.numel() - 1
     counts = (offsets[1:] - offsets[:-1]).clamp_min(0)
     tiles = (counts + bm - 1) // bm
@@ -430,8 +448,8 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segm
             variant = cfg.get("variant", "decode")
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
-    tile_e, tile_r, bound, _ = _tile_schedule(offsets.to(torch.int64), m, cfg["BM"])
     offs32 = offsets.to(torch.int32).contiguous()
+    tile_e, tile_r, bound, _ = _tile_schedule(offs32, m, cfg["BM"])
     try:
         if variant in _w32_launch.WORD_VARIANTS:
             return _w32_launch.launch_grouped(a, ex, out, cfg, (tile_e, tile_r, bound, offs32), k_chunk())

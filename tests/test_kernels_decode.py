@@ -5,7 +5,9 @@ import pytest
 import torch
 from minite.kernels import _cuda_decode, _decode_twin, checks, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
 from minite.kernels import gemm as G
+from minite.kernels._backend import interpreter_on as _interpreted
 from minite.kernels.weights import decode_f16
+from test_trainer_kernels import LAYOUTS, _layout_kernel_vs_torch
 
 from minite import nvfp4 as ref
 
@@ -198,12 +200,46 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=False) == G.GROUPED_FALLBACK
 
 
-def test_tile_schedule_counts_valid_tiles():
-    offs = torch.tensor([0, 3, 3, 40, 41])
-    tile_e, tile_r, bound, n_valid = G._tile_schedule(offs, 41, 16)
+@pytest.mark.parametrize("schedule", [G._tile_schedule_torch, G._tile_schedule])
+def test_tile_schedule_counts_valid_tiles(schedule):
+    if schedule is G._tile_schedule and not _interpreted():
+        pytest.skip("the Triton schedule kernel on CPU needs the interpreter")
+    offs = torch.tensor([0, 3, 3, 40, 41], dtype=torch.int32)
+    tile_e, tile_r, bound, n_valid = schedule(offs, 41, 16)
     assert int(n_valid) == 1 + 3 + 1 and bound == 3 + 4
     assert tile_e.tolist()[:5] == [0, 2, 2, 2, 3] and (tile_e[5:] == -1).all()
     assert tile_r.tolist()[:5] == [0, 3, 19, 35, 40]
+
+
+def _schedule_kernel_vs_torch(e, bm, dev):
+    g = torch.Generator().manual_seed(e * bm)
+    for trial in range(3):
+        counts = torch.randint(0, 3 * bm, (e,), generator=g) * (torch.rand(e, generator=g) > 0.3)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(dev)
+        m = int(offs[-1])
+        got, want = G._tile_schedule(offs, m, bm), G._tile_schedule_torch(offs.to(torch.int64), m, bm)
+        assert got[2] == want[2]
+        for a, b in zip((got[0], got[1], got[3]), (want[0], want[1], want[3]), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (e, bm, trial)
+
+
+SCHEDULES = [(1, 16), (5, 16), (128, 64), (37, 128)]
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the Triton schedule kernel on CPU needs the interpreter")
+@pytest.mark.parametrize("e, bm", SCHEDULES)
+def test_tile_schedule_kernel_equals_its_torch_formula(e, bm):
+    _schedule_kernel_vs_torch(e, bm, "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_schedule_kernels_equal_their_torch_formulas():
+    """The grouped GEMM's tile schedule and the wgrad layout, compiled for the GPU, against their formulas."""
+    dev = torch.device("cuda")
+    for e, bm in SCHEDULES:
+        _schedule_kernel_vs_torch(e, bm, dev)
+    for align, fill in LAYOUTS:
+        _layout_kernel_vs_torch(align, fill, dev)
 
 
 # ----------------------------------------------------------------------------------------------- GPU

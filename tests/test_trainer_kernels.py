@@ -65,16 +65,45 @@ def test_trainer_through_the_kernels_is_bitwise_the_reference(arm, monkeypatch):
         assert torch.equal(_bits(a), _bits(b)), name
 
 
-def test_wgrad_layout_pads_segments_and_gives_empty_experts_zero_blocks():
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_wgrad_layout_pads_segments_and_gives_empty_experts_zero_blocks(interpreted):
+    from minite.kernels._backend import interpreter_on
+
     from minite.engines.experts import _padded_layout
+    if interpreted and not interpreter_on():
+        pytest.skip("the Triton layout kernel on CPU needs the interpreter")
     offsets = torch.tensor([0, 3, 3, 20, 35], dtype=torch.int32)     # expert 1 empty, 35 rows in all
-    src, pends = _padded_layout(offsets, 35)
+    src, pends = _padded_layout(offsets, 35, interpreted=interpreted)
     assert pends.tolist() == [16, 32, 64, 48 + 16 * 4]                 # the static width's slack joins the last
     want = torch.full((48 + 64,), -1, dtype=torch.int32)
     want[0:3] = torch.arange(0, 3)
     want[32:49] = torch.arange(3, 20)
     want[64:79] = torch.arange(20, 35)
     assert torch.equal(src, want)
+
+
+LAYOUTS = [(16, True), (16, False), (128, False), (32, True)]
+
+
+def _layout_kernel_vs_torch(align, fill, dev):
+    from minite.engines.experts import _padded_layout, _padded_layout_torch
+    g = torch.Generator().manual_seed(align)
+    for e in (1, 7, 128):
+        counts = torch.randint(0, 70, (e,), generator=g) * (torch.rand(e, generator=g) > 0.3)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32).to(dev)
+        rows = int(offs[-1])
+        got = _padded_layout(offs, rows, align, fill, interpreted=True)
+        want = _padded_layout_torch(offs, rows, align, fill)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (e, align, fill)
+
+
+@pytest.mark.parametrize("align, fill", LAYOUTS)
+def test_wgrad_layout_kernel_equals_its_torch_formula(align, fill):
+    from minite.kernels._backend import interpreter_on
+    if not interpreter_on():
+        pytest.skip("the Triton layout kernel on CPU needs the interpreter")
+    _layout_kernel_vs_torch(align, fill, "cpu")
 
 
 @pytest.mark.parametrize("arm", ["naive_te_nvfp4", "minite_nvfp4"])

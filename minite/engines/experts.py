@@ -87,15 +87,35 @@ def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
         return grouped_nvfp4(a, qw, offsets, out_dtype=x.dtype)  # rounded from fp32 in the epilogue, as the sampler
 
 
-def _padded_layout(offsets: torch.Tensor, rows: int, align: int = 16, fill: bool = True):
+def _padded_layout(offsets: torch.Tensor, rows: int, align: int = 16, fill: bool = True,
+                   interpreted: bool = False):
     """The wgrad operands' token layout, computed on the device (no host sync; ``rows`` = the sorted rows'
     count, known from the shapes): every expert's token segment zero-padded to a multiple of ``align``, within
     a static width ``ceil(rows) + align * E`` (>= the padded total). ``fill`` (for torch._grouped_mm): an expert
     without tokens gets one block of ``align`` zero tokens (no group is empty: its dW is a product of zeros,
     exactly 0), and the width's slack is appended to the last segment as zero tokens (zero products leave its
     sums as they are); else (the NVFP4 kernel) empty segments stay empty and the slack is past the last end.
+    One Triton launch on the GPU (``minite.kernels._triton_schedule``; ``interpreted``: under the interpreter on
+    CPU, for tests), PyTorch ops elsewhere.
     Returns, for each padded position, the source row (-1 = a zero token; the quantizer's ``gather``) and the
     padded segment ends (int32 [E])."""
+    if offsets.device.type != "cuda" and not interpreted:
+        return _padded_layout_torch(offsets, rows, align, fill)
+    import triton
+
+    from minite.kernels import _triton_schedule as ts
+    e = offsets.numel() - 1
+    width = (rows + align - 1) // align * align + align * e
+    src = torch.empty(width, dtype=torch.int32, device=offsets.device)
+    pends = torch.empty(e, dtype=torch.int32, device=offsets.device)
+    bp = 64
+    ts.padded_layout_kernel[(triton.cdiv(width, bp),)](offsets, src, pends, e, width, ALIGN=align, FILL=fill,
+                                                       BE=max(16, triton.next_power_of_2(e)), BP=bp)
+    return src, pends
+
+
+def _padded_layout_torch(offsets: torch.Tensor, rows: int, align: int = 16, fill: bool = True):
+    """``_padded_layout`` in PyTorch ops (its reference, and the CPU path)."""
     e = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
     pcounts = (counts + align - 1) // align * align
