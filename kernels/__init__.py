@@ -10,8 +10,7 @@ exact pure PyTorch on CPU.
         formula "te", one tensor amax per row group (experts x shards); amax pass + one cast pass.
     (quantize and quantize_dequantize take x as any strided view, plus width= / gather= for the wgrad
     operands: tokens as the block dimension, zero-padded or gathered per expert, without copies; check=False
-    skips the host reads: the NaN/Inf check and the range check of gather. quantize(..., f16=True) also
-    writes the GEMM's fp16 decode of the codes: a GEMM that reads it (``reads_f16(m)``) skips its decode pass.)
+    skips the host reads: the NaN/Inf check and the range check of gather.)
     dequantize(t, out_dtype=torch.float32, backend=None) -> [M, K]
         minite.nvfp4.dequantize(t).to(out_dtype), bit for bit, one Triton pass on the GPU.
     nvfp4_gemm(a, w, out_dtype=torch.bfloat16, bias=None, backend=None) -> [M, N]
@@ -39,7 +38,7 @@ exact pure PyTorch on CPU.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
-from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, reads_f16
+from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
 from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
 from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight_groups
@@ -49,7 +48,7 @@ from .sampling import sample_tokens
 from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
-           "grouped_nvfp4_gemm", "reads_f16", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
+           "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
            "sample_tokens", "fused_ops"]

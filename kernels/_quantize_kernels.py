@@ -14,10 +14,6 @@ src(c) = gather[c] (``GATHER``; -1 = a zero column) or c (zero for c >= C: right
                     input's; for "vllm" also its global encode scale G's).
     _dequant_kernel codes + scales + S_dec -> fp32 or BF16 values.
 
-``F16`` (the cast): also the GEMM's fp16 decode of the codes (``_f16_decode``, the values ``weights.decode_f16``
-writes, in its K order: per 128-wide step the 64 even-K values, then the 64 odd ones), so a GEMM that reads
-that form needs no decode pass.
-
 Arithmetic rules that keep the bits equal to the PyTorch reference:
   * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels. The cast
     is compiled without FMA contraction (vLLM's zero guard ``v + (v == 0) * 1e8`` is a multiply-add).
@@ -54,17 +50,6 @@ def _hash32(x):
     x = x ^ (x >> 15)
     x = x * 0x297A2D39
     return x ^ (x >> 16)
-
-
-@triton.jit
-def _f16_decode(code, s_code):
-    """The GEMM's exact fp16 value of a 4-bit code (sign bit 3) with its E4M3 scale byte, as
-    ``_triton_gemm._decode`` forms it: e2m1 * 2**-14 (bits (sign << 15) | (mag << 9)) times the scale's
-    fp16 (bits (e4m3 << 7) = s * 2**-8, then * 256)."""
-    c = code.to(tl.int32)
-    v = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-    sf = ((s_code.to(tl.int32) << 7).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
-    return (v * sf).to(tl.float16)
 
 
 @triton.jit
@@ -142,12 +127,12 @@ def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr, f16_ptr,
-                 R, C, CW, stride_r, stride_c, rows_per_group, seed, KP,
+def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr,
+                 R, C, CW, stride_r, stride_c, rows_per_group, seed,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
-                 GIVEN_G: tl.constexpr, F16: tl.constexpr = False):
+                 GIVEN_G: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
@@ -199,10 +184,10 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
     is_norm = sv >= 0.015625
     s_sub = (sv + 16384.0) - 16384.0  # RNE onto the 2**-9 subnormal grid
     s_q = tl.where(is_norm, rb.to(tl.float32, bitcast=True), s_sub)
-    code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-    s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32))
-    s_code = tl.where(sv != sv, 0x7F | ((bits >> 24) & 0x80), s_code).to(tl.uint8)  # NaN as torch's cast
     if CODES:
+        code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+        s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32))
+        s_code = tl.where(sv != sv, 0x7F | ((bits >> 24) & 0x80), s_code).to(tl.uint8)  # NaN as torch's cast
         scols = pc * NB + tl.arange(0, NB)
         tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (CW // 16) + scols[None, :], s_code,
                  mask=rmask[:, None] & (scols[None, :] < CW // 16))
@@ -231,13 +216,6 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         pcols = (pc * NB + tl.arange(0, NB))[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(codes_ptr + rows3.to(tl.int64) * (CW // 2) + pcols[None, :, :], (even | (odd << 4)).to(tl.uint8),
                  mask=(rows3 < R) & (pcols[None, :, :] < CW // 2))
-    if F16:  # block j, element i -> step j // 8: position (i % 2) * 64 + (j % 8) * 8 + i // 2
-        gb = pc * NB + tl.arange(0, NB)
-        i = tl.arange(0, 16)
-        pos = ((gb // 8) * 128 + (gb % 8) * 8)[:, None] + ((i % 2) * 64 + i // 2)[None, :]
-        tl.store(f16_ptr + rows3.to(tl.int64) * KP + pos[None, :, :],
-                 _f16_decode(mag | (neg << 3), s_code[:, :, None]),
-                 mask=(rows3 < R) & (gb[None, :, None] < CW // 16))
     if DQ != 0:  # (e2m1 * scale) * S_dec, as minite.nvfp4.dequantize
         m = mag.to(tl.float32)
         mval = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, tl.where(m < 7.0, 4.0, 6.0)))

@@ -9,15 +9,15 @@ and every block reduction moves data between threads. Here a tile is 16 planes [
 holding element j of every block: all planes share one layout (rows contiguous: coalesced loads), the
 butterfly is elementwise between planes and a block's amax a max over planes, so nothing leaves its thread.
 The cast joins a block's 16 codes into one 8-byte word (and its dequantized values into words of 4 BF16 or
-2 fp32, its GEMM fp16 decode into words of 4 even- or odd-K values) before storing: per-plane byte stores at a
-row's stride cost more than the planes save (H200, docs/KERNELS_NOTES.md).
+2 fp32) before storing: per-plane byte stores at a row's stride cost more than the planes save (H200,
+docs/KERNELS_NOTES.md).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._quantize_kernels import _FLT_MAX, _RHT_NEG_MASK, _bf16_rne, _f16_decode, _hash32
+from ._quantize_kernels import _FLT_MAX, _RHT_NEG_MASK, _bf16_rne, _hash32
 
 
 @triton.jit
@@ -253,24 +253,11 @@ def _dq_words(dq_ptr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13
                      rows, blk, R, 8, wpr, 7)
 
 
-@triton.jit
-def _f16_word(ca, cb, cc, cd, s_code, f16_ptr, rows, blk, R, CW, KP, I: tl.constexpr):  # noqa: E741
-    """Four codes' GEMM fp16 values as one 8-byte word, at word I of the block's 16-value slot of its 128-wide
-    K step in the ``decode_f16`` layout (words 0-1: the block's even-K values, 16-17: its odd-K ones)."""
-    w = (_f16_decode(ca, s_code).to(tl.uint16, bitcast=True).to(tl.uint64)
-         | (_f16_decode(cb, s_code).to(tl.uint16, bitcast=True).to(tl.uint64) << 16)
-         | (_f16_decode(cc, s_code).to(tl.uint16, bitcast=True).to(tl.uint64) << 32)
-         | (_f16_decode(cd, s_code).to(tl.uint16, bitcast=True).to(tl.uint64) << 48))
-    col = (blk // 8) * 32 + (blk % 8) * 2 + I
-    tl.store(f16_ptr + rows.to(tl.int64) * (KP // 4) + col, w.to(tl.int64, bitcast=True),
-             mask=(rows < R) & (blk < CW // 16))
-
-
 @triton.jit(do_not_specialize=["seed"])
-def cast_planes_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, gsdec_ptr, dq_ptr, f16_ptr,
-                       R, C, CW, stride_r, stride_c, rows_per_group, seed, KP,
+def cast_planes_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, gsdec_ptr, dq_ptr,
+                       R, C, CW, stride_r, stride_c, rows_per_group, seed,
                        BR: tl.constexpr, NB: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
-                       STOCHASTIC: tl.constexpr, CODES: tl.constexpr, DQ: tl.constexpr, F16: tl.constexpr = False):
+                       STOCHASTIC: tl.constexpr, CODES: tl.constexpr, DQ: tl.constexpr):
     """``_cast_kernel`` for formula "te", 1x16 blocks, a group amax from ``amax_ptr`` (no ROW_AMAX, TILE16,
     CHECK, per-row S_dec): codes + E4M3 scales and / or the dequantized values, S_dec per group. The codes
     and values leave as 8-byte words (``codes_ptr`` / ``dq_ptr`` are int64 views), one store per block or per
@@ -294,10 +281,10 @@ def cast_planes_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, gsdec
     is_norm = sv >= 0.015625
     s_sub = (sv + 16384.0) - 16384.0
     s_q = tl.where(is_norm, rb.to(tl.float32, bitcast=True), s_sub)
-    code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
-    s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32))
-    s_code = tl.where(sv != sv, 0x7F | ((bits >> 24) & 0x80), s_code).to(tl.uint8)
     if CODES:
+        code_norm = ((((rb >> 23) & 0xFF) - 120) << 3) | ((rb >> 20) & 7)
+        s_code = tl.where(is_norm, code_norm, (s_sub * 512.0).to(tl.uint32))
+        s_code = tl.where(sv != sv, 0x7F | ((bits >> 24) & 0x80), s_code).to(tl.uint8)
         tl.store(scales_ptr + rows.to(tl.int64) * (CW // 16) + blk, s_code, mask=(rows < R) & (blk < CW // 16))
     enc = tl.minimum(tl.math.div_rn(tl.full(s_q.shape, 1.0, tl.float32), s_q * s_dec[:, None]), _FLT_MAX)
     sd = s_dec[:, None]
@@ -315,11 +302,6 @@ def cast_planes_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, gsdec
                 | (c8 << 32) | (c9 << 36) | (c10 << 40) | (c11 << 44) | (c12 << 48) | (c13 << 52) | (c14 << 56)
                 | (c15 << 60))
         _store_words(codes_ptr, word, rows, blk, R, 1, CW // 16, 0)
-    if F16:  # words of 4 fp16: evens (0, 2, 4, 6), (8, .., 14), then odds (1, .., 7), (9, .., 15)
-        _f16_word(c0, c2, c4, c6, s_code, f16_ptr, rows, blk, R, CW, KP, 0)
-        _f16_word(c8, c10, c12, c14, s_code, f16_ptr, rows, blk, R, CW, KP, 1)
-        _f16_word(c1, c3, c5, c7, s_code, f16_ptr, rows, blk, R, CW, KP, 16)
-        _f16_word(c9, c11, c13, c15, s_code, f16_ptr, rows, blk, R, CW, KP, 17)
     if DQ != 0:
         _dq_words(dq_ptr, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s_q, sd,
                   rows, blk, R, CW, DQ)

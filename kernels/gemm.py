@@ -120,17 +120,6 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
     return dict(cfg)
 
 
-def reads_f16(m: int, experts: int = 0) -> bool:
-    """Whether a GEMM over an M-row NVFP4 operand reads that operand's fp16 decode (the f16 variants): dense
-    above the CUDA decode kernel's and the byte-decode loop's rows (``_configs``), grouped over ``experts``
-    experts past the CUDA decode kernel's rows per expert (``_grouped_config``). The quantizer can then write
-    that form (``quantize(..., f16=True)``) and the GEMM skips its decode pass. A hint, not a contract: a
-    GEMM that takes another path (a config its probe rejected) reads the codes, with the same bits."""
-    if experts:
-        return m > GROUPED_CUDA_ROWS * experts
-    return m > max(64, CUDA_MAX_M)
-
-
 def config_name(c: dict) -> str:
     if c.get("variant") == "cuda":
         lanes = f"c{c['C']}" if c.get("C", 1) > 1 else ""

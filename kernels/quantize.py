@@ -38,7 +38,6 @@ import torch
 from minite import nvfp4 as ref
 
 from . import _backend
-from .weights import DecodedNVFP4Tensor
 
 try:
     import triton
@@ -97,7 +96,6 @@ class _Cast(NamedTuple):
     sdec_rows: torch.Tensor | None    # [R] (row scaling)
     sdec_groups: torch.Tensor         # [groups]
     dq: torch.Tensor | None
-    f16: torch.Tensor | None          # the GEMM's fp16 decode (``weights.decode_f16`` layout)
 
 
 def _layout(k: int) -> tuple[int, int, int, int]:
@@ -150,10 +148,9 @@ def _draw_seed(generator) -> int:
 
 def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
           rounding="nearest", rht=False, generator=None, check=True, width=None, gather=None, groups=1,
-          codes=True, dq_dtype=None, f16=False) -> _Cast:
+          codes=True, dq_dtype=None) -> _Cast:
     """Formula "te" or "vllm" through the Triton kernels: x any strided 2D view, the operand per (width,
-    gather), ``groups`` row groups with their own tensor amax (tensor scaling); ``f16``: also the codes' GEMM
-    fp16 decode."""
+    gather), ``groups`` row groups with their own tensor amax (tensor scaling)."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -204,9 +201,6 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
     sdec_rows = torch.empty(r, dtype=torch.float32, device=dev) if scaling == "row" else None
     sdec_groups = torch.empty(n_groups, dtype=torch.float32, device=dev)
     dq = torch.empty(r, cw, dtype=dq_dtype, device=dev) if dq_dtype is not None else None
-    kp = -(-cw // 128) * 128                 # the decode form's row: whole 128-wide K steps, zero padded
-    f16_out = ((torch.zeros if kp != cw else torch.empty)(r, kp, dtype=torch.float16, device=dev)
-               if f16 else None)
     check_here = check and (row_amax or scaling == "static" or vllm)  # else the amax pass has checked
     # NaN/Inf counts per program: the input's, and (vllm) G's
     bad = torch.empty(2 if vllm else 1, grid[0] * grid[1] if check_here else 1, dtype=torch.int32, device=dev)
@@ -215,10 +209,9 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
         P.cast_planes_kernel[pgrid](
             x, gather_t, amax_t, out_codes.view(torch.int64) if codes else dummy,
             out_scales.view(torch.uint8) if codes else dummy, sdec_groups,
-            dq.view(torch.int64) if dq is not None else dummy,
-            f16_out.view(torch.int64) if f16 else dummy, *common, rpg, seed, kp, BR=pbr, NB=nb,
+            dq.view(torch.int64) if dq is not None else dummy, *common, rpg, seed, BR=pbr, NB=nb,
             GATHER=gather is not None, RHT=rht_mode, STOCHASTIC=rounding == "stochastic", CODES=codes,
-            DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype], F16=f16,
+            DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             num_warps=pwarps, enable_fp_fusion=False)
     elif r and cw:
         K._cast_kernel[grid](
@@ -226,12 +219,11 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,
             sdec_rows if sdec_rows is not None else dummy, sdec_groups,
             (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad,
-            f16_out if f16 else dummy, *common, rpg, seed, kp, BR=br, BC=bc, GATHER=gather is not None,
-            RHT=rht_mode, TILE16=tile16,
+            *common, rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode, TILE16=tile16,
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
-            FORMULA=K.FORMULA_VLLM if vllm else K.FORMULA_TE, GIVEN_G=given_g, F16=f16, num_warps=warps,
+            FORMULA=K.FORMULA_VLLM if vllm else K.FORMULA_TE, GIVEN_G=given_g, num_warps=warps,
             enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
     flags = bad.any(dim=1).tolist() if check_here else []  # one sync
     if any(flags):
@@ -239,7 +231,7 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
             g.set_state(g_state)  # the reference raises before it draws
         what = "input" if flags[0] else "global_encode_scale"  # the reference checks the input first
         raise ValueError(f"NVFP4 quantize: {what} contains NaN or Inf; refusing to produce codes")
-    return _Cast(out_codes, out_scales, sdec_rows, sdec_groups, dq, f16_out)
+    return _Cast(out_codes, out_scales, sdec_rows, sdec_groups, dq)
 
 
 def _kernel_path(x, formula, backend) -> bool:
@@ -257,8 +249,6 @@ def _validate(x, width, gather, **kw):
 
 def _to_nvfp4(cast: _Cast, scaling: str) -> ref.NVFP4Tensor:
     s_dec = cast.sdec_rows if scaling == "row" else cast.sdec_groups.reshape(())
-    if cast.f16 is not None:
-        return DecodedNVFP4Tensor(cast.codes, cast.scales, s_dec, cast.f16)
     return ref.NVFP4Tensor(cast.codes, cast.scales, s_dec)
 
 
@@ -266,17 +256,15 @@ def _to_nvfp4(cast: _Cast, scaling: str) -> ref.NVFP4Tensor:
 def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = "tensor", amax=None,
              global_encode_scale=None, rounding: str = "nearest", rht: bool = False,
              generator: torch.Generator | None = None, check: bool = True, backend: str | None = None,
-             width: int | None = None, gather: torch.Tensor | None = None, f16: bool = False) -> ref.NVFP4Tensor:
+             width: int | None = None, gather: torch.Tensor | None = None) -> ref.NVFP4Tensor:
     """``minite.nvfp4.quantize(operand(x, width, gather), ...)``, same bits; the Triton kernels for formulas
-    "te" and "vllm" (any tile, scaling, rounding, RHT), the reference for "modelopt". ``f16`` (kernel path):
-    the cast also writes the codes' GEMM fp16 decode and returns a ``DecodedNVFP4Tensor`` carrying it, so a
-    GEMM that reads that form (``gemm.reads_f16``) skips its decode pass; elsewhere it is ignored."""
+    "te" and "vllm" (any tile, scaling, rounding, RHT), the reference for "modelopt"."""
     kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
               rounding=rounding, rht=rht, generator=generator)
     _validate(x, width, gather, **kw)
     if not _kernel_path(x, formula, backend):
         return ref.quantize(operand(x, width, gather), check=check, **kw)
-    cast = _cast(x, check=check, width=width, gather=gather, f16=f16, **kw)
+    cast = _cast(x, check=check, width=width, gather=gather, **kw)
     return _to_nvfp4(cast, scaling)
 
 

@@ -112,23 +112,11 @@ class PreparedWeight:
         return self.w.device
 
 
-@dataclass
-class DecodedNVFP4Tensor(NVFP4Tensor):
-    """An NVFP4 tensor that also carries its GEMM fp16 decode (``decode_f16``'s values and layout), written by
-    the quantizer's cast beside the codes (``quantize(..., f16=True)``): a GEMM that reads that form uses it
-    instead of a decode pass. Views and copies made from it (``rows``, ``to``) are plain NVFP4Tensors."""
-
-    f16: torch.Tensor | None = None  # [M, cdiv(K, 128) * 128]
-
-
 def decode_f16(t) -> torch.Tensor:
-    """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter); the
-    form the cast already wrote when ``t`` carries it (``DecodedNVFP4Tensor``).
+    """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter).
     (An int32-word version of this pass compiled to more instructions on sm_90 than this byte one, which
     already issues 8-byte code loads and 16-byte stores: not kept.)"""
     from . import _triton_gemm as tg
-    if isinstance(t, DecodedNVFP4Tensor) and t.f16 is not None:
-        return t.f16
     r, k = t.shape
     kp = (k + tg.BK - 1) // tg.BK * tg.BK
     out = torch.empty(r, kp, dtype=torch.float16, device=t.codes.device)

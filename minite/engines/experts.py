@@ -82,7 +82,7 @@ def _grouped_forward(x, qw: Q.QWeight, offsets, state: Q.QuantState):
         a = Q.qdq_act(x, state)
         with state.timed("gemm"):
             return bf16_grouped_mm(a, qw.dq.transpose(-2, -1), offsets[1:]).to(x.dtype)
-    a = Q.quantize_act(x, state, experts=offsets.numel() - 1)
+    a = Q.quantize_act(x, state)
     with state.timed("gemm"):
         return grouped_nvfp4(a, qw, offsets, out_dtype=x.dtype)  # rounded from fp32 in the epilogue, as the sampler
 

@@ -30,11 +30,11 @@ def _static_kwargs(spec: QuantSpec, static_scale) -> dict:
 
 
 def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
-                        check: bool = False, f16: bool = False) -> nvfp4.NVFP4Tensor:
+                        check: bool = False) -> nvfp4.NVFP4Tensor:
     """Quantize [tokens, K] activations. ``static_scale``: the calibrated amax ("te"/"modelopt") or vLLM's
     encode scale G ("vllm") when ``spec.scaling == "static"``. Triton on CUDA ("te", "vllm"), else
-    minite.nvfp4. ``f16``: also the GEMM's fp16 decode (``kernels.quantize``)."""
-    return kernels.quantize(x2d, check=check, f16=f16, **_static_kwargs(spec, static_scale))
+    minite.nvfp4."""
+    return kernels.quantize(x2d, check=check, **_static_kwargs(spec, static_scale))
 
 
 def qdq_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale=None, out_dtype=torch.bfloat16

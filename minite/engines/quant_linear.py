@@ -235,13 +235,11 @@ class WeightCache:
 # Backward operands: tensor amax, formula "te", 1x16 blocks; no NaN check per call (a host sync each): the
 # update's grad-norm check catches NaN/Inf gradients before any optimizer step. Each is one call of
 # minite.kernels (an amax pass and one cast pass that writes the BF16 values the GEMMs multiply).
-def quantize_act(x2d: torch.Tensor, state: QuantState, experts: int = 0) -> nvfp4.NVFP4Tensor:
-    """Forward activations per the recipe (gemm.quantize_activation: minite.kernels on CUDA), timed; with the
-    GEMM's fp16 decode when the (grouped over ``experts``) GEMM reads it (``kernels.reads_f16``)."""
+def quantize_act(x2d: torch.Tensor, state: QuantState) -> nvfp4.NVFP4Tensor:
+    """Forward activations per the recipe (gemm.quantize_activation: minite.kernels on CUDA), timed."""
     state.act_quantizations += 1
     with state.timed("quantize", "act"):
-        return G.quantize_activation(x2d, state.recipe.activations,
-                                     f16=_kernels.reads_f16(x2d.shape[0], experts))
+        return G.quantize_activation(x2d, state.recipe.activations)
 
 
 def qdq_act(x2d: torch.Tensor, state: QuantState) -> torch.Tensor:
@@ -253,17 +251,16 @@ def qdq_act(x2d: torch.Tensor, state: QuantState) -> torch.Tensor:
                                             **state.recipe.activations.quantize_kwargs())
 
 
-def _grad_cast(x, state: QuantState, rounding: str, rht: bool, dequantized: bool, f16: bool = False, **operand):
-    """A backward operand in 1x16 blocks, tensor amax, formula "te": NVFP4 codes (``f16``: with the GEMM's
-    fp16 decode), or (``dequantized``) the BF16 values the emulated GEMMs multiply. SR seeds come from the
-    trainer's generator, in call order."""
+def _grad_cast(x, state: QuantState, rounding: str, rht: bool, dequantized: bool, **operand):
+    """A backward operand in 1x16 blocks, tensor amax, formula "te": NVFP4 codes, or (``dequantized``) the
+    BF16 values the emulated GEMMs multiply. SR seeds come from the trainer's generator, in call order."""
     state.act_quantizations += 1
     kw = dict(formula="te", tile=(1, 16), scaling="tensor", rounding=rounding, rht=rht, check=False,
               generator=state.generator if rounding == "stochastic" else None, **operand)
     with state.timed("quantize", "grad"):
         if dequantized:
             return _kernels.quantize_dequantize(x, torch.bfloat16, **kw)
-        return _kernels.quantize(x, f16=f16, **kw)
+        return _kernels.quantize(x, **kw)
 
 
 def qdq_grad(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bool = False) -> torch.Tensor:
@@ -280,8 +277,7 @@ def quantize_tokens(x2d: torch.Tensor, state: QuantState, rounding: str, rht: bo
     when ``dequantized``), i.e. of ``pad16(x2d).t()`` (or, with ``gather``, of ``x2d[gather].t()``, -1 = a
     zero token) read straight from x2d: no padding copy, no transpose copy."""
     width = None if gather is not None else -(-x2d.shape[0] // 16) * 16
-    # the wgrad GEMMs read both operands in their fp16 decode (dense: [N, T] rows, far past the decode sizes)
-    return _grad_cast(x2d.t(), state, rounding, rht, dequantized, f16=True, width=width, gather=gather)
+    return _grad_cast(x2d.t(), state, rounding, rht, dequantized, width=width, gather=gather)
 
 
 def wgrad_operands(dy2d: torch.Tensor, x2d: torch.Tensor, state: QuantState, dequantized: bool,
@@ -303,9 +299,7 @@ def dgrad_nvfp4(dy: torch.Tensor, qw: QWeight, state: QuantState, out_dtype,
                 offsets: torch.Tensor | None = None) -> torch.Tensor:
     """dx = dy W on NVFP4 operands: dy quantized 1x16 along N with the recipe's rounding, W^T from W's tiles;
     ``offsets``: the experts' grouped GEMM (fused pieces with their own scales as K segments)."""
-    experts = 0 if offsets is None else offsets.numel() - 1
-    dyq = _grad_cast(dy, state, state.recipe.backward_rounding, False, False,
-                     f16=_kernels.reads_f16(dy.shape[0], experts))
+    dyq = _grad_cast(dy, state, state.recipe.backward_rounding, False, False)
     wt = qw.dgrad_weight()
     with state.timed("gemm"):
         if offsets is None:
