@@ -365,6 +365,8 @@ def test_step_split_legend_beside_the_bars(results):
     assert len(ax.patches) == 3 * 2                          # 3 arms x 2 phases
     assert not _overlaps(fig, ax.get_legend(), ax.patches)
     assert figures.step_split({"bf16": {"tokens_per_s": 1.0}}) is None
+    nothing = dict.fromkeys(("quantize", "gemm", "other", "optimizer"))        # bench-learner --split-steps 0
+    assert figures.step_split({"bf16": {"tokens_per_s": 1.0, "step_split_ms": nothing}}) is None
 
 
 def test_drift_figure_requires_the_metrics(results, tmp_path):

@@ -113,7 +113,8 @@ def _rollout_bars(ax, table: pd.DataFrame) -> None:
 def step_split(learner: dict[str, dict], out_stem=None, footer: str | None = None):
     """Where a learner step goes, per arm: the medians of bench-learner's ``step_split_ms`` as stacked bars
     (the legend sits beside the bars, never over them). None when no record has a split."""
-    splits = {a: r["step_split_ms"] for a, r in learner.items() if isinstance(r.get("step_split_ms"), dict)}
+    splits = {a: r["step_split_ms"] for a, r in learner.items() if isinstance(r.get("step_split_ms"), dict)
+              and any(v is not None for v in r["step_split_ms"].values())}   # --split-steps 0: no split
     if not splits:
         return None
     df = pd.DataFrame(splits).T.fillna(0.0)
@@ -122,7 +123,7 @@ def step_split(learner: dict[str, dict], out_stem=None, footer: str | None = Non
     df.index = [ARM_LABELS.get(a, a) for a in df.index]
     df.plot.barh(stacked=True, ax=ax, colormap="tab20c", width=0.7)
     ax.invert_yaxis()
-    ax.set(xlabel="ms per learner step (medians over the timed steps)", ylabel="")
+    ax.set(xlabel="ms per learner step (medians over the split updates)", ylabel="")
     ax.legend(title="phase", fontsize=7, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save(fig, out_stem, footer)
 
