@@ -45,6 +45,27 @@ def results(tmp_path):
     return r
 
 
+def test_table_step_split_and_quantization_share():
+    split = {"quantize": 12.0, "gemm": 30.0, "other": 50.0, "optimizer": 8.0}
+    learner = {"bf16": learner_record("bf16", 1000.0, step_split_ms={"quantize": 0.0, "gemm": None,
+                                                                       "other": 90.0, "optimizer": 8.0}),
+               # split from --split-steps updates: the share is of their median update
+               "naive_te_nvfp4": learner_record("naive_te_nvfp4", 800.0, step_split_ms=split,
+                                                step_split_step_ms=120.0),
+               # an older record split its timed updates: the share is of step_ms
+               "minite_nvfp4": learner_record("minite_nvfp4", 1390.0, step_split_ms=split)}
+    df = tables.throughput_table(learner).set_index("arm")
+    assert df.loc["naive_te_nvfp4", "quant_share"] == pytest.approx(12.0 / 120.0)
+    assert df.loc["minite_nvfp4", "quant_share"] == pytest.approx(12.0 / df.loc["minite_nvfp4", "step_ms"])
+    assert df.loc["bf16", "quant_share"] == 0.0 and math.isnan(df.loc["bf16", "split_gemm_ms"])
+    md = tables.to_markdown(df.reset_index(), learner, "cpu")
+    assert "## Where a learner update goes" in md
+    assert "| naive_te_nvfp4 | 12.0 | 30.0 | 50.0 | 8.0 | 120.0 | 10.0% |" in md
+    none = {a: learner_record(a, TPS[a], step_split_ms=None) for a in ARMS}   # no split recorded: no section
+    df = tables.throughput_table(none)
+    assert df["quant_share"].isna().all() and "Where a learner update goes" not in tables.to_markdown(df, none, "cpu")
+
+
 def test_table_columns_ratios_and_files(results):
     df = tables.write_throughput_table(results, ARMS)
     assert list(df.columns) == tables.COLUMNS

@@ -11,6 +11,12 @@ among the arms requested): the ratio of the medians, with a range from the per-s
 median of the per-round ratios and its range their minimum and maximum; ``n_rounds`` and ``round_spread``
 ((max - min) / median of an arm's round tokens/s) say how far the rounds agree.
 
+Step split columns (``split_*_ms``, ``split_step_ms``, ``quant_share``; NaN where the record has none): the
+medians of bench-learner's ``step_split_ms`` (quantize / gemm / other / optimizer), the median update of the
+updates they were measured on (``step_split_step_ms``: bench-learner times the blocks in ``--split-steps``
+updates after the timed ones; older records split the timed updates, so their ``step_ms``), and the
+quantization's share of that update.
+
 Rollout columns (``rollout_*``, NaN for arms without a ``rollout.json`` of ``bench-sampler``): decode tokens/s,
 its ratio to the ``bf16`` arm's, the fraction of the weights' bandwidth roofline reached, the median decode
 step (ms). The rollout setup (model slice, batch) is its own and is stated in the markdown, with each arm's
@@ -37,7 +43,10 @@ COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_ste
            "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi",
            "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
            "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver",
-           "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms"]
+           "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms",
+           "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
+           "quant_share"]
+SPLIT_KEYS = ("quantize", "gemm", "other", "optimizer")
 BF16, NAIVE, MINITE = "bf16", "naive_te_nvfp4", "minite_nvfp4"
 #: Fewer timed steps than this and the spread is unknown: the row is flagged.
 MIN_STEPS = 5
@@ -71,12 +80,16 @@ def _row(arm: str, rec: dict) -> dict:
     tps = float(rec["tokens_per_s"])                        # = tokens / median step time (of the median round)
     rounds = _round_tps(rec)
     round_spread = (max(rounds) - min(rounds)) / statistics.median(rounds) if len(rounds) > 1 else math.nan
+    split = {k: v for k, v in (rec.get("step_split_ms") or {}).items() if v is not None}
+    split_step = float(rec.get("step_split_step_ms") or rec["step_ms"]) if split else math.nan
     return {"arm": arm, "tokens_per_s": tps, "tokens_per_s_q25": tps * rec["step_ms"] / t["q75"],
             "tokens_per_s_q75": tps * rec["step_ms"] / t["q25"], "n_steps": t["n"], "spread": t["spread"],
             "n_rounds": max(1, len(rounds)), "round_spread": round_spread,
             "flag": _flag(t["n"], t["spread"], round_spread),
             **{c: rec.get(c) for c in ("step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch",
-                                       "triton", "gpu_driver")}}
+                                       "triton", "gpu_driver")},
+            **{f"split_{k}_ms": float(split.get(k, math.nan)) for k in SPLIT_KEYS}, "split_step_ms": split_step,
+            "quant_share": float(split.get("quantize", math.nan)) / split_step}
 
 
 def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None = None) -> pd.DataFrame:
@@ -175,6 +188,25 @@ THROUGHPUT_HEADER = ["arm", "tokens/s (median)", "interquartile range", "steps",
                      "vs naive TE NVFP4", "step (ms)", "peak mem (GB)", "trust"]
 
 
+def _split_section(df: pd.DataFrame) -> list[str]:
+    rows = [[r.arm, _fmt(r.split_quantize_ms, ",.1f"), _fmt(r.split_gemm_ms, ",.1f"), _fmt(r.split_other_ms, ",.1f"),
+             _fmt(r.split_optimizer_ms, ",.1f"), _fmt(r.split_step_ms, ",.1f"),
+             _fmt(100 * r.quant_share, ".1f") + ("" if _nan(r.quant_share) else "%")]
+            for r in df.itertuples() if not _nan(r.split_step_ms)]
+    if not rows:
+        return []
+    return ["", "## Where a learner update goes", "",
+            "Medians (ms) over the updates bench-learner runs after the timed ones timing every quantize and "
+            "NVFP4 GEMM block (`--split-steps`; CUDA events on the GPU, the host clock on CPU; records from "
+            "before split the timed updates): "
+            "their own median update is the \"update\" column. quantize = the NVFP4 weight / activation / "
+            "gradient casts; NVFP4 GEMMs = the arm's W4A4 or emulated GEMMs, forward and backward (n/a for BF16, "
+            "whose GEMMs run inside the rest); optimizer = grad-norm clip, AdamW and the master -> BF16 copy; "
+            "quantization share = quantize / update.", "",
+            _md_table(["arm", "quantize", "NVFP4 GEMMs", "rest of forward / backward", "optimizer", "update",
+                       "quantization share"], rows)]
+
+
 def _rollout_ratio(rollout: dict[str, dict], arm: str) -> str:
     """Decode tokens/s against BF16's (same batch: the ratio of the median steps), with the range of the two
     runs' 10th-90th percentile step times (this arm's p90 against BF16's p10, and the reverse)."""
@@ -228,6 +260,7 @@ def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
         out += ["**Warning: the arms were measured on different devices; the ratios compare devices as "
                 "well as arms.**", ""]
     out.append(_md_table(THROUGHPUT_HEADER, _throughput_rows(df)))
+    out += _split_section(df)
     if rollout:
         out += ["", *_rollout_section(df, rollout)]
     if reference:
