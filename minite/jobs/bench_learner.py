@@ -7,10 +7,10 @@ min, max; ``minite.telemetry.timing_summary``), so a reader can tell a measureme
 Writes one JSON (atomically; nothing on a bad arm/model) with the step split, peak memory, GPU telemetry
 and provenance (sha, device, command, date, torch / triton versions, GPU driver).
 
-The step split (quantize / gemm / other / optimizer) comes from ``--split-steps`` further updates that put CUDA
-events around each of the ~1,400 quantize and GEMM blocks of an update; the timed updates run without them.
-The kernel path's update is bound by its host (the GPU waits for launches), so those events' own host cost
-would otherwise be part of the measured step.
+The step split (quantize / gemm / other / optimizer) comes from ``--split-steps`` further updates that time
+each of the ~1,400 quantize and GEMM blocks of an update (CUDA events on the GPU); the timed updates run
+without that: the events' own host cost would otherwise be part of the measured step (it was most of the
+miniTE update's run-to-run spread while that update was bound by its host, docs/KERNELS_NOTES.md).
 
 Under torchrun (``--nproc-per-node N``) the update's sequences are split over the N ranks (the FSDP2 learner,
 ``minite.engines.fsdp``): tokens per update stay the global batch, so tokens_per_s compares with one GPU;
