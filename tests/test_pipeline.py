@@ -296,8 +296,11 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
         "round_spread", "flag",
         "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
         "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
-        "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms"]
+        "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms",
+        "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms", "quant_share"]
     assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()
+    share = df.set_index("arm")["quant_share"]                          # the split, from the --split-steps updates
+    assert share["bf16"] == 0.0 and (share[["naive_te_nvfp4", "minite_nvfp4"]] > 0).all()
     assert (df["n_rounds"] == 1).all() and df["round_spread"].isna().all()   # the cpu profile: one run per arm
     assert job_counts(r.stdout + r.stderr).get("bench_sampler") == 3   # the rollout columns, measured too
     assert (df["rollout_tokens_per_s"] > 0).all() and (df["rollout_roofline_frac"] > 0).all()
