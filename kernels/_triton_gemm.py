@@ -188,3 +188,44 @@ def decode_f16_kernel(codes, scales, out, R, K, BR: tl.constexpr, BK: tl.constex
     o = out + rows64[:, None] * (tl.cdiv(K, BK) * BK) + k0 + h[None, :]
     tl.store(o, lo, mask=rmask[:, None])
     tl.store(o + BK // 2, hi, mask=rmask[:, None])
+
+
+@triton.jit
+def decode_f16_segments_kernel(codes, scales, ends_ptr, out, ends_out_ptr, R, K, KP, E, BR: tl.constexpr,
+                               BK: tl.constexpr, BE: tl.constexpr, WRITE_ENDS: tl.constexpr):
+    """``decode_f16_kernel`` for token segments (the MoE wgrad operands): [R, K] NVFP4 whose segment e is the
+    columns [ends[e-1], ends[e]) (whole 16-blocks) -> fp16 [R, KP] where segment e starts on a BK step of its
+    own and fills cdiv(len_e, BK) steps, each laid out as decode_f16_kernel lays out a step of that segment
+    alone (its tail zero padded). Program axis 1 is the output step; steps past the last segment are left
+    unwritten (never read). WRITE_ENDS: program (0, 0) writes those BK-aligned segment ends (int32 [E])."""
+    e = tl.arange(0, BE)
+    live = e < E
+    hi_e = tl.load(ends_ptr + e, mask=live, other=0)
+    lo_e = tl.load(ends_ptr + e - 1, mask=live & (e > 0), other=0)
+    lens = hi_e - lo_e
+    steps = tl.where(live, (lens + BK - 1) // BK * BK, 0)
+    cends = tl.cumsum(steps, 0)
+    if WRITE_ENDS:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(ends_out_ptr + e, cends.to(tl.int32), mask=live)
+    k0 = tl.program_id(1) * BK
+    seg = tl.sum(((cends <= k0) & live).to(tl.int32), 0)
+    if seg >= E:
+        return
+    pick = e == seg
+    local = k0 - tl.sum(tl.where(pick, cends - steps, 0), 0)
+    src0 = tl.multiple_of(tl.sum(tl.where(pick, lo_e, 0), 0) + local, 16)
+    n_blocks = (tl.sum(tl.where(pick, lens, 0), 0) - local) // 16
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    j = tl.arange(0, BK // 16)
+    t = tl.arange(0, 8)
+    h = tl.arange(0, BK // 2)
+    kmask = j < n_blocks
+    c_ptrs = codes + rows64[:, None, None] * (K // 2) + src0 // 2 + (j[:, None] * 8 + t[None, :])[None, :, :]
+    s_ptrs = scales + rows64[:, None] * (K // 16) + src0 // 16 + j[None, :]
+    lo, hi = _decode(c_ptrs, s_ptrs, rmask[:, None, None] & kmask[None, :, None], rmask[:, None] & kmask[None, :])
+    o = out + rows64[:, None] * KP + k0 + h[None, :]
+    tl.store(o, lo, mask=rmask[:, None])
+    tl.store(o + BK // 2, hi, mask=rmask[:, None])

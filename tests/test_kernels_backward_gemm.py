@@ -91,11 +91,13 @@ def test_grouped_gemm_with_k_segment_scales(backend):
 def test_wgrad_grouped_reduces_each_segment(backend):
     m, n, t = 40, 24, 768
     a, b = _q(m, t, 1), _q(n, t, 2, scale=3.0, scaling="row")
-    ends = torch.tensor([128, 128, 512, 640])                      # expert 1 empty; columns 640: never read
+    # segments of whole 16-blocks, not of whole 128-wide K steps: a one-block segment, an empty one, one
+    # starting mid-step and spanning 3 steps (the last one partial), one of exactly one step; past 640: unread
+    ends = torch.tensor([16, 16, 512, 640])
     out = wgrad_grouped_nvfp4_gemm(a, b, ends, torch.float32, backend=backend)
     assert out.shape == (4, m, n)
     assert torch.equal(out[1], torch.zeros(m, n))
-    for e, (lo, hi) in enumerate(((0, 128), (128, 128), (128, 512), (512, 640))):
+    for e, (lo, hi) in enumerate(((0, 16), (16, 16), (16, 512), (512, 640))):
         if hi == lo:
             continue
         want = ref.nvfp4_matmul_reference(_cols(a, lo, hi), _cols(b, lo, hi))
@@ -111,9 +113,27 @@ def test_wgrad_grouped_reduces_each_segment(backend):
     assert bf.dtype == torch.bfloat16 and torch.equal(bf, out.bfloat16())
 
 
+def test_segment_decode_lays_each_segment_out_as_the_dense_decode_of_it_alone():
+    """decode_f16_segments: segment e (whole 16-blocks, anywhere) -> its own run of 128-wide K steps, equal
+    to decode_f16 of its columns alone; the step-aligned ends."""
+    from minite.kernels.backward_gemm import decode_f16_segments
+    from minite.kernels.weights import decode_f16
+    t = _q(5, 800, 3, scaling="row")
+    ends = torch.tensor([16, 16, 304, 432, 800], dtype=torch.int32)
+    f16, step_ends = decode_f16_segments(t, ends)
+    assert step_ends.tolist() == [128, 128, 512, 640, 1024]
+    assert f16.shape == (5, (800 + 112 * 5 + 127) // 128 * 128)
+    lo, plo = 0, 0
+    for hi, phi in zip(ends.tolist(), step_ends.tolist(), strict=True):
+        if hi > lo:
+            assert torch.equal(f16[:, plo:phi], decode_f16(_cols(t, lo, hi)))
+        lo, plo = hi, phi
+    assert decode_f16_segments(t, ends, write_ends=False)[1] is None
+
+
 def test_wgrad_grouped_bad_inputs():
     a, b = _q(8, 256, 1), _q(8, 256, 2)
-    for ends, msg in (([100, 256], "multiples of 128"), ([256, 128], "non-decreasing"), ([128, 384], "up to T")):
+    for ends, msg in (([100, 256], "multiples of 16"), ([256, 128], "non-decreasing"), ([128, 384], "up to T")):
         with pytest.raises(ValueError, match=msg):
             wgrad_grouped_nvfp4_gemm(a, b, torch.tensor(ends))
     with pytest.raises(ValueError, match="same tokens"):
@@ -129,11 +149,11 @@ def test_gpu_backward_gemms():
     dev = torch.device("cuda")
     m, n, t = 300, 520, 4096
     a, b = _q(m, t, 1).to(dev), _q(n, t, 2, scale=3.0).to(dev)
-    ends = torch.tensor([512, 512, 2048, 3968], device=dev)
+    ends = torch.tensor([496, 496, 2032, 3968], device=dev)   # 16-block bounds inside 128-wide K steps
     out = wgrad_grouped_nvfp4_gemm(a, b, ends, torch.float32)
     exact = wgrad_grouped_nvfp4_gemm(a, b, ends, torch.float32, backend="torch")
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-    for e, (lo, hi) in enumerate(((0, 512), (512, 2048), (2048, 3968))):
+    for e, (lo, hi) in enumerate(((0, 496), (496, 2032), (2032, 3968))):
         e = (0, 2, 3)[e]
         assert checks.rel_err(out[e], exact[e]) < 1e-5
         dense = nvfp4_gemm(_cols(a, lo, hi), _cols(b, lo, hi), torch.float32, config=dict(WGRAD_CONFIG, variant="f16"))

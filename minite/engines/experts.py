@@ -15,9 +15,9 @@ Backward: TE's treatment as in ``quant_linear`` — dgrad with SR-quantized dy a
 wgrad per expert with both operands quantized along tokens (RHT), expert segments zero-padded (the quantizer
 gathers each padded segment from the sorted rows itself: no padded copies). On gemm "kernel" both run on the
 NVFP4 operands: dgrad as a grouped GEMM over the transposed experts (gate and up as two K segments when they
-keep their own scales), wgrad as one token-grouped launch over segments padded to 128 tokens
+keep their own scales), wgrad as one token-grouped launch over the segments
 (``minite.kernels.wgrad_grouped_nvfp4_gemm``); on "emulated", BF16 ``torch._grouped_mm`` on the dequantized
-values, segments padded to 16.
+values. Either way the segments are padded to 16 tokens (whole NVFP4 blocks).
 """
 from __future__ import annotations
 
@@ -166,8 +166,7 @@ class _GroupedNVFP4Fn(torch.autograd.Function):
                     dx = bf16_grouped_mm(dyq, qw.dq, offsets[1:]).to(x.dtype)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e, reduction over the expert's tokens
             native = st.gemm == "kernel"
-            align = SEGMENT_ALIGN if native else 16
-            src, pends = _padded_layout(offsets, x.shape[0], align, fill=not native)
+            src, pends = _padded_layout(offsets, x.shape[0], SEGMENT_ALIGN, fill=not native)
             dyt, xt = Q.wgrad_operands(dy, x, st, dequantized=not native, gather=src)
             with st.timed("gemm"):
                 if native:
