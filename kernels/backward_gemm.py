@@ -125,7 +125,7 @@ def decode_f16_segments(t: NVFP4Tensor, ends: torch.Tensor, write_ends: bool = T
 
 def _triton_wgrad(a, b, ends, out_dtype) -> torch.Tensor:
     from . import _triton_gemm as tg
-    (m, t), n, e = a.shape, b.shape[0], ends.numel()
+    m, n, e = a.shape[0], b.shape[0], ends.numel()
     out = torch.empty(e, m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
@@ -149,7 +149,8 @@ def wgrad_grouped_nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, ends: torch.Tensor,
                              out_dtype: torch.dtype = torch.bfloat16, backend: str | None = None) -> torch.Tensor:
     """out[e] = a[:, seg_e] @ b[:, seg_e].T -> [E, M, N] for NVFP4 a [M, T], b [N, T], both in 1x16 blocks
     along T (the tokens); seg_e = [ends[e-1], ends[e]) (ends[-1] = 0), every bound a multiple of 16 (each
-    expert's tokens zero-padded to whole blocks), ends[E-1] <= T (columns past it are not read). An empty segment gives zeros.
+    expert's tokens zero-padded to whole blocks), ends[E-1] <= T (columns past it are not read). An empty
+    segment gives zeros.
     Global scales: per tensor, or per row of a / of b. One launch; the segment bounds stay on the device."""
     _check_wgrad(a, b, ends, out_dtype)
     ends = ends.to(a.device)
