@@ -207,6 +207,64 @@ def test_merge_rounds_writes_nothing_when_a_round_is_missing(results):
     assert (results / "bf16" / "learner.json").read_text() == before
 
 
+FAKE_BENCH = """
+import json, os, sys
+args = sys.argv[1:]
+arm, out = args[args.index("--arm") + 1], args[args.index("--out") + 1]
+k = int(out.rsplit("round", 1)[1].split(".")[0])
+with open(os.environ["RUNS_LOG"], "a") as f:
+    f.write(f"{arm}:{k}\\n")
+if os.environ.get("FAIL_AT") == f"{arm}:{k}":
+    sys.exit(3)
+os.makedirs(os.path.dirname(out), exist_ok=True)
+json.dump(dict(arm=arm, tokens_per_s=1000.0 + k, step_ms=10.0, step_ms_all=[10.0], model="tiny", layers=2,
+               device="cpu", sha="abc", command=" ".join(sys.argv), date="2026-12-01T00:00:00+00:00",
+               torch="2", triton=None, gpu_driver=None, peak_mem_gb=1.0), open(out, "w"))
+"""
+
+
+def test_rounds_job_resumes_the_whole_rounds_an_interrupted_attempt_finished(results, tmp_path, monkeypatch):
+    """An attempt that fails in round 1 leaves round 0's runs and round 1's first; the next attempt (snakemake
+    has deleted the outputs) restores round 0, runs round 1 again from its first arm, then round 2; the merge
+    drops the copies. Other arguments, or a tree with uncommitted changes, keep nothing."""
+    fake = tmp_path / "fake_bench.py"
+    fake.write_text(FAKE_BENCH)
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("RUNS_LOG", str(log))
+    monkeypatch.setattr(rounds, "git_sha", lambda: "abc")
+    plan = rounds.parse_plan("bf16:0 naive_te_nvfp4:0 minite_nvfp4:0 naive_te_nvfp4:1 minite_nvfp4:1 bf16:1 "
+                             "minite_nvfp4:2 bf16:2 naive_te_nvfp4:2")
+    runner, args = [sys.executable, str(fake)], ["--steps", "3"]
+
+    def attempt(fail_at=None, args=args):
+        log.write_text("")
+        monkeypatch.setenv("FAIL_AT", fail_at or "")
+        rc = rounds.run_rounds(results, plan, runner, args)
+        return rc, log.read_text().split()
+
+    rc, ran = attempt("minite_nvfp4:1")
+    assert rc == 3 and ran == ["bf16:0", "naive_te_nvfp4:0", "minite_nvfp4:0", "naive_te_nvfp4:1", "minite_nvfp4:1"]
+    for arm in ARMS:                                    # snakemake removes a failed job's outputs
+        for f in (results / arm / "learner_rounds").glob("*.json"):
+            f.unlink()
+    rc, ran = attempt()
+    assert rc == 0 and ran == ["naive_te_nvfp4:1", "minite_nvfp4:1", "bf16:1", "minite_nvfp4:2", "bf16:2",
+                               "naive_te_nvfp4:2"]
+    assert json.loads((results / "bf16" / rounds.round_file(0)).read_text())["tokens_per_s"] == 1000.0  # restored
+    rounds.write_merged(results, ARMS, 3)
+    rounds.drop_partial(results)
+    assert not (results / ".partial").exists()
+    # an interrupted attempt, then one with other arguments: nothing kept
+    assert attempt("bf16:1")[0] == 3
+    assert attempt(args=["--steps", "5"])[1] == [f"{a}:{k}" for a, k in plan]
+    # uncommitted changes: no copies are made, so nothing can be kept
+    monkeypatch.setattr(rounds, "git_sha", lambda: "abc-dirty")
+    assert attempt("bf16:1")[0] == 3 and not (results / rounds.PARTIAL).exists()
+    assert attempt()[1] == [f"{a}:{k}" for a, k in plan]
+    with pytest.raises(ResultError, match="ARM:ROUND"):
+        rounds.parse_plan("bf16:0 naive")
+
+
 def test_reference_run_beside_the_new_one(results, tmp_path):
     """The committed reference run of the profile, labelled with its own sha, device and date."""
     ref = tmp_path / "reference" / "cpu"

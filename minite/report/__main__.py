@@ -6,6 +6,8 @@
     python -m minite.report figure layers --results results/cpu --arms ... --out results/cpu/figures/layers
     python -m minite.report figure {drift,reward,kernels,attribution,study} ...
     python -m minite.report results-table --results results/drift --arms bf16 bf16_seed1 naive_te_nvfp4 ...
+    python -m minite.report run-rounds --results results/h200 --plan "bf16:0 minite_nvfp4:0 ..." \
+        --runner "python -m minite" --args "--model qwen3_30b_a3b ..."
     python -m minite.report merge-rounds --results results/h200 --arms ... --rounds 3
 (--arms: run directories, an arm or <arm>_seed<N>, for the RL tables and figures)
 
@@ -30,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("results-table", help="results_table.{csv,md,tex}: accuracy and stability per arm, seeds "
                                              "pooled, from <results>/<run>/stability.jsonl (+ summaries, evals)")
     r.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
+    rr = sub.add_parser("run-rounds", help="run bench-learner per (arm, round) of --plan into <results>/<arm>/"
+                                           "learner_rounds/, keeping whole rounds an interrupted attempt finished")
+    rr.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
+    rr.add_argument("--plan", required=True, help="'ARM:ROUND ...' in run order")
+    rr.add_argument("--runner", required=True, help="the command that runs minite's CLI, e.g. 'python -m minite'")
+    rr.add_argument("--args", default="", help="bench-learner's arguments besides --arm and --out (one string)")
     m = sub.add_parser("merge-rounds", help="<results>/<arm>/learner.json from the arm's learner_rounds/round<k>"
                                             ".json (bench-learner run in rounds: minite.report.rounds)")
     m.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
@@ -54,11 +62,17 @@ def main(argv=None) -> int:
         df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile, a.reference)
         print(df.to_string(index=False))
         return 0
+    if a.what == "run-rounds":
+        import shlex
+
+        from minite.report.rounds import parse_plan, run_rounds
+        return run_rounds(a.results, parse_plan(a.plan), shlex.split(a.runner), shlex.split(a.args))
     if a.what == "merge-rounds":
-        from minite.report.rounds import write_merged
+        from minite.report.rounds import drop_partial, write_merged
         for arm, rec in write_merged(a.results, a.arms, a.rounds).items():
             print(f"{arm}: {rec['tokens_per_s']:,.0f} tokens/s (round {rec['median_round']}, the median of {a.rounds}: "
                   + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in rec["rounds"]) + ")")
+        drop_partial(a.results)
         return 0
     if a.what == "results-table":
         from minite.report.results_table import write_results_table

@@ -16,13 +16,25 @@ the spread limit.
 
 The pipeline's rule (workflow/rules/learner.smk, ``rounds:`` in the bench_learner job) runs the rounds, round k
 starting at arm k mod n, so no arm always runs first or last.
+
+Resume: the job keeps a copy of every finished run in ``<results>/.partial/learner_rounds/`` (snakemake deletes
+a failed job's outputs, not that). ``rounds_todo`` starts each attempt: rounds whose every arm finished in an
+earlier attempt of the same job (same bench-learner arguments, same clean commit) are restored and kept; the
+runs of every other round are done again, all arms of the round, so a round never pairs runs of two attempts.
+A successful job removes the copies: the next job measures every round afresh.
 """
 from __future__ import annotations
 
+import json
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
-from minite.provenance import write_json
+from minite.provenance import atomic_path, git_sha, write_json
 from minite.report.load import ResultError, load_learner
+
+PARTIAL = ".partial/learner_rounds"   # under the results directory: finished runs of an unfinished job
 
 
 def round_file(k: int) -> str:
@@ -58,3 +70,77 @@ def write_merged(results_dir, arms: list[str], rounds: int) -> dict[str, dict]:
     for arm, rec in merged.items():
         write_json(Path(results_dir) / arm / "learner.json", rec)
     return merged
+
+
+def parse_plan(plan: str) -> list[tuple[str, int]]:
+    """'arm:k arm:k ...' (the rule's run order) -> [(arm, k), ...]."""
+    runs = []
+    for item in plan.split():
+        arm, sep, k = item.rpartition(":")
+        if not sep or not arm or not k.isdigit():
+            raise ResultError(f"bad run {item!r} in the plan: want ARM:ROUND")
+        runs.append((arm, int(k)))
+    return runs
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """Copy a record so that an interrupted copy leaves no truncated file behind."""
+    with atomic_path(dst, "wb") as f:
+        f.write(src.read_bytes())
+
+
+def rounds_todo(results_dir, plan: list[tuple[str, int]], key: str) -> tuple[list[tuple[str, int]], list[int]]:
+    """Start an attempt of the rounds job: -> (the runs still to do, in plan order; the rounds kept).
+
+    ``key`` names the job's setup (its command and arguments). A round is kept when the copies of an earlier
+    attempt hold all of its arms' runs and that attempt had the same key and the same commit; its records are
+    copied back to ``<arm>/learner_rounds/round<k>.json``. Without a clean commit (a '-dirty' or unknown sha)
+    nothing is kept or copied. Any other earlier copies are removed."""
+    partial = Path(results_dir) / PARTIAL
+    sha = git_sha()
+    want = {"key": key, "sha": sha}
+    stamp = partial / "job.json"
+    try:
+        same = json.loads(stamp.read_text()) == want
+    except (OSError, ValueError):
+        same = False
+    resumable = not (sha == "unknown" or sha.endswith("-dirty"))
+    if not (same and resumable):
+        shutil.rmtree(partial, ignore_errors=True)
+        if resumable:
+            with atomic_path(stamp) as f:
+                json.dump(want, f)
+    arms = sorted({arm for arm, _ in plan})
+    kept = sorted({k for _, k in plan if same and resumable
+                   and all((partial / arm / f"round{k}.json").is_file() for arm in arms)})
+    for k in kept:
+        for arm in arms:
+            _copy(partial / arm / f"round{k}.json", Path(results_dir) / arm / round_file(k))
+    return [(arm, k) for arm, k in plan if k not in kept], kept
+
+
+def run_rounds(results_dir, plan: list[tuple[str, int]], runner: list[str], args: list[str]) -> int:
+    """The rounds job: ``runner bench-learner --arm A ARGS --out <results>/A/learner_rounds/round<k>.json`` for
+    each (A, k) of the plan that ``rounds_todo`` leaves, each finished run copied for a later attempt.
+    Returns the first failing run's exit status (0: all done)."""
+    todo, kept = rounds_todo(results_dir, plan, key=shlex.join([*runner, *args]))
+    partial = Path(results_dir) / PARTIAL
+    for k in kept:
+        print(f"== round {k}: kept from an earlier attempt of this job (same commit and arguments)", flush=True)
+    for arm, k in todo:
+        print(f"== round {k}: {arm}", flush=True)
+        out = Path(results_dir) / arm / round_file(k)
+        rc = subprocess.run([*runner, "bench-learner", "--arm", arm, *args, "--out", str(out)]).returncode
+        if rc:
+            return rc
+        if (partial / "job.json").is_file():
+            _copy(out, partial / arm / f"round{k}.json")
+    return 0
+
+
+def drop_partial(results_dir) -> None:
+    """The job finished: its copies are not needed (the next job measures every round afresh)."""
+    shutil.rmtree(Path(results_dir) / PARTIAL, ignore_errors=True)
+    parent = (Path(results_dir) / PARTIAL).parent
+    if parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()

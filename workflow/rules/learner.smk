@@ -33,7 +33,8 @@ if LEARNER_ROUNDS == 1:
 else:
 
     # One job for all arms: a round pairs the arms measured in it, so one arm is never re-measured alone.
-    # A failed run fails the job (nothing merged). minite.report.rounds: the merge and the paired ratios.
+    # A failed run fails the job (nothing merged); the next attempt keeps the rounds the failed one finished
+    # (same commit and arguments). minite.report.rounds: the runs, the resume, the merge and the paired ratios.
     rule bench_learner:
         input:
             arms=per_arm("configs/arms/{arm}.yaml"),
@@ -42,7 +43,7 @@ else:
             merged=per_arm(f"{RESULTS}/{{arm}}/learner.json"),
             rounds=[f"{RESULTS}/{arm}/learner_rounds/round{k}.json" for k in range(LEARNER_ROUNDS) for arm in ARMS],
         params:
-            args=job_args("bench_learner"),
+            args=shlex.quote(job_args("bench_learner")),   # one argument of run-rounds
             plan=" ".join(f"{arm}:{k}" for arm, k in learner_round_plan(ARMS, LEARNER_ROUNDS)),
             arms=" ".join(ARMS),
             rounds=LEARNER_ROUNDS,
@@ -53,10 +54,9 @@ else:
         resources:
             gpu=job_gpus("bench_learner"),
         shell:
-            "for run in {params.plan}; do arm=${{run%%:*}}; k=${{run##*:}}; echo \"== round $k: $arm\";"
-            " OMP_NUM_THREADS={threads} " + minite("bench_learner") + " bench-learner --arm $arm {params.args}"
-            " --out {params.results}/$arm/learner_rounds/round$k.json || exit 1; done > {log} 2>&1;"
-            " {PY} -m minite.report merge-rounds --results {params.results} --arms {params.arms}"
+            "OMP_NUM_THREADS={threads} {PY} -m minite.report run-rounds --results {params.results}"
+            " --plan '{params.plan}' --runner '" + minite("bench_learner") + "' --args {params.args} > {log} 2>&1"
+            " && {PY} -m minite.report merge-rounds --results {params.results} --arms {params.arms}"
             " --rounds {params.rounds} >> {log} 2>&1"
 
 
