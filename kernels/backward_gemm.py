@@ -103,8 +103,9 @@ def decode_f16_segments(t: NVFP4Tensor, ends: torch.Tensor, write_ends: bool = T
     multiples of 16): each segment decoded as ``decode_f16`` decodes it alone, starting on a 128-wide K step
     of its own -> (fp16 [R, KP], the segments' ends in that form (int32 [E], multiples of 128; None unless
     ``write_ends``)). So the token-grouped GEMM runs each segment's chain exactly as the dense kernel runs it
-    over those columns, while the quantizer pads the segments to 16 tokens only (not to 128: up to 25% fewer
-    columns cast at 256 tokens per expert). KP bounds the padded total for any routing (static: no sync)."""
+    over those columns, while the quantizer pads the segments to 16 tokens only, not to 128 (its static width
+    for 32,768 routed tokens over 128 experts: 34,816 columns instead of 49,152). KP bounds the step-padded
+    total for any routing (static: no host sync)."""
     import triton
 
     from . import _triton_gemm as tg
