@@ -80,7 +80,7 @@ def test_dry_run_h200_profile(wf):
     assert jobs.get("kernel_bench_csv") == 1 and jobs.get("bench_learner") == 1 and jobs.get("rl") == 3
     assert "results/h200/minite_nvfp4/learner.json" in r.stdout and "--rounds 3" in r.stdout
     # the throughput slice: Qwen3-30B-A3B, 2 layers, 16 x 2048 tokens per update, on the GPU
-    cmd = next(ln for ln in r.stdout.splitlines() if "bench-learner --arm $arm" in ln)
+    cmd = next(ln for ln in r.stdout.splitlines() if "minite.report run-rounds" in ln)
     for flag in ("--model qwen3_30b_a3b", "--layers 2", "--seq-len 2048", "--tokens-per-update 32768",
                  "--device cuda"):
         assert flag in cmd, cmd
