@@ -17,6 +17,8 @@ exact pure PyTorch on CPU.
         a @ w.T for NVFP4Tensors a [M, K], w [N, K]; batch invariant and deterministic.
     prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes).
     prepare_experts(ws) -> NVFP4Experts   stacked + pre-decoded fp16 experts (fast large-M grouped path).
+    decode_layout(ws) -> NVFP4Experts     stacked + the codes in the CUDA decode kernel's fragment order (a
+        sampler's decode-time experts: one contiguous read per warp step; same bits).
     grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None, k_segments=1) -> [M, N]
         MoE: rows sorted by expert, ws a list of NVFP4Tensors or an NVFP4Experts (``stack_experts``).
     transpose_weight(w) / transpose_experts(ex, shards=1)
@@ -39,7 +41,8 @@ backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and P
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
-from .weights import NVFP4Experts, PreparedWeight, gemm_path, prepare_experts, prepare_weight, stack_experts
+from .weights import (NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts, prepare_weight,
+                      stack_experts)
 from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
 from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight_groups
 from .attention import decode_attention, invariant_attention
@@ -49,6 +52,6 @@ from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
-           "prepare_experts", "gemm_path", "transpose_weight", "transpose_experts",
+           "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
            "sample_tokens", "fused_ops"]

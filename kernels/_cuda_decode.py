@@ -31,10 +31,11 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t stream);
+                           int64_t frag, int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
+FRAG_DEPTHS = (4, 8)    # ring depths compiled in for weight codes in fragment order (``weights.fragment_order``)
 TILES = (1, 2, 4)       # n8 token tiles per CTA compiled in
 LANES = (1, 2, 4, 8)    # warps sharing a row group's K chunks (chunked contract only)
 ROW_GROUPS = (1, 2, 4, 8, 16)  # row groups of 16 weight rows a warp runs one after another per token tile
@@ -175,7 +176,7 @@ def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0) -
 
 
 def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, shape, offsets=None,
-          strides=(0, 0, 0)):
+          strides=(0, 0, 0), frag=False):
     nt, depth, warps = _check(cfg)
     lanes, seg, rg = shape
     offs, offs64, n_experts = 0, 0, 0
@@ -185,7 +186,7 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
         a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
-        chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides,
+        chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
@@ -206,7 +207,8 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0) -> torch.Tensor:
 
 def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -> torch.Tensor:
     """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
-    of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all)."""
+    of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all). Reads ``ex.frag``
+    (fragment-order codes) where present and the ring depth has a fragment-order build."""
     m, k = a.shape
     e, n, _ = ex.shape
     if offsets.dtype not in (torch.int32, torch.int64) or e > MAX_EXPERTS:
@@ -218,6 +220,8 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -
     lanes, _, rg = shape
     groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes * rg))
     grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
-    strides = (ex.codes.stride(0), ex.scales.stride(0), gw.stride(0))
-    return _call(mod, a, ex.codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,
-                 offsets.contiguous(), strides)
+    frag = ex.frag is not None and cfg["D"] in FRAG_DEPTHS  # same bits either way
+    codes = ex.frag if frag else ex.codes
+    strides = (codes.stride(0), ex.scales.stride(0), gw.stride(0))
+    return _call(mod, a, codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,
+                 offsets.contiguous(), strides, frag)

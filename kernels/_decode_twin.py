@@ -74,21 +74,31 @@ def _u32(buf: torch.Tensor, off) -> torch.Tensor:
     return _u16(buf, off) | (_u16(buf, off + 2) << 16)
 
 
-def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step: int) -> torch.Tensor:
+def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step: int,
+                     frag: bool = False) -> torch.Tensor:
     """fp16 [8 pieces, 32 lanes, 4 regs, 2] of one warp (rows row0..row0+15) for K step ``step``, as ``gather``
     and the step body form them: the ring slot holds each row's 64 code bytes and 8 scale bytes; lane (g, t)
     joins the u16s at 16 pc + 2t and 16 pc + 8 + 2t of rows g and g + 8 into one word per piece, and reads
-    the rows' scale bytes as two words."""
-    slot = codes[row0:row0 + 16, step * ROW_STEP_BYTES:(step + 1) * ROW_STEP_BYTES]
+    the rows' scale bytes as two words. ``frag``: ``codes`` in fragment order (``weights.fragment_order``),
+    the slot being the step's 1 KB, from which ``gather_frag`` reads word (pc, r) at 512 (pc >> 1) + 16 lane
+    + 4 (2 (pc & 1) + r)."""
+    kh = codes.shape[-1]
+    if frag:
+        chunk = codes.reshape(-1)[row0 * kh + step * 16 * ROW_STEP_BYTES:][:16 * ROW_STEP_BYTES]
+    else:
+        slot = codes[row0:row0 + 16, step * ROW_STEP_BYTES:(step + 1) * ROW_STEP_BYTES]
     sc = scales.view(torch.uint8)[row0:row0 + 16, step * 8:(step + 1) * 8]
     out = torch.empty(8, 32, 4, 2, dtype=torch.float16)
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for r in range(2):
-            row = slot[g + 8 * r]
             se, so = zip(*(scale_pairs(_u32(sc[g + 8 * r], 4 * wsel)) for wsel in range(2)), strict=True)
             for pc in range(4):
-                x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
+                if frag:
+                    x = _u32(chunk, 512 * (pc >> 1) + 16 * lane + 4 * (2 * (pc & 1) + r))
+                else:
+                    row = slot[g + 8 * r]
+                    x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
                 s_a, s_b = se[pc >> 1][pc & 1], so[pc >> 1][pc & 1]  # blocks 2 pc, 2 pc + 1
                 for half, fn in ((0, low_nibbles), (1, high_nibbles)):
                     h = fn(x)

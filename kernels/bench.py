@@ -28,6 +28,7 @@ from minite import nvfp4 as ref
 from . import checks
 from .gemm import (GROUPED_F16_CONFIG, PreparedWeight, config_for, grouped_config_for, grouped_nvfp4_gemm,
                    nvfp4_gemm, prepare_experts, prepare_weight, stack_experts)
+from .weights import NVFP4Experts, decode_layout
 from .quantize import quantize
 
 L2_BYTES = 60 * 2 ** 20
@@ -94,8 +95,9 @@ def _copies(obj, n):
             return o.clone()
         if isinstance(o, PreparedWeight):
             return PreparedWeight(clone(o.w), o.f16.clone())
-        if getattr(o, "f16", None) is not None:
-            return type(o)(o.codes.clone(), o.scales.clone(), o.global_scale.clone(), o.f16.clone())
+        if isinstance(o, NVFP4Experts):
+            return NVFP4Experts(*(None if t is None else t.clone() for t in (o.codes, o.scales, o.global_scale,
+                                                                               o.f16, o.frag)))
         return type(o)(o.codes.clone(), o.scales.clone(), o.global_scale.clone())
     return [obj] + [clone(obj) for _ in range(n - 1)]
 
@@ -219,7 +221,7 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
     m = int(offs[-1])
     a = quantize(torch.randn(m, k, device=dev), scaling="row")
     ws = stack_experts([quantize(torch.randn(n, k, device=dev)) for _ in range(e)])
-    wsp = prepare_experts(ws)
+    wsp = decode_layout(prepare_experts(ws))  # prepared: f16 for large M, fragment order for the decode kernel
     a16 = ref.dequantize(a).bfloat16()
     w16 = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16)
     offs32 = offs[1:].to(torch.int32)

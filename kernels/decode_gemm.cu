@@ -30,6 +30,10 @@
 //   * the token fragments are decoded once per CTA per segment of steps into shared memory (all of K when it
 //     fits: then no barrier in the main loop) and read back with conflict-free 16-byte loads;
 //   * the epilogue's scales and bias are loaded before the main loop (off the tail's critical path).
+// Weight codes in fragment order (FRAG, ``weights.fragment_order``): the same bytes, stored per 16-row group and
+// K step as the 1 KB a warp's step reads, lane l's 32 bytes being exactly the eight words it gathers (at
+// 16 l and 512 + 16 l, conflict-free 16-byte loads): one contiguous read per step and two shared loads per
+// lane instead of 16 two-byte ones and 8 byte_perms. The words, hence the fragments and the bits, are the same.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -41,6 +45,7 @@ constexpr int kStepBytes = 64;               // codes of one row per 128-wide K 
 constexpr int kRowPitch = 80;                // shared-memory pitch of one row's step (64 + 16: conflict-free)
 constexpr int kSlotBytes = 16 * kRowPitch + 16 * 8;  // one warp's step: 16 rows of codes + 16 x 8 scale bytes
 constexpr int kTileStepWords = 8 * 32 * 2;   // u32 words of one n8 token tile's fragments per K step (2 KB)
+constexpr int kFragHalf = 16 * 32;           // fragment order: the lanes' first 16 bytes, then their second
 
 struct Params {
   const uint8_t* a_codes;   // [M, K/2]
@@ -63,6 +68,7 @@ struct Params {
   const void* offsets;
   int offsets64, E;
   int64_t w_estride_c, w_estride_s, gw_estride;
+  int frag;  // weight codes in fragment order (``weights.fragment_order``); ring depths 4 and 8 only
 };
 
 // token units (row, step, piece: 16 code bytes + 2 scale bytes) a thread holds in registers while the next
@@ -130,6 +136,22 @@ __device__ __forceinline__ void gather(const uint8_t* slot, int g, int t, StepWo
                           *reinterpret_cast<const uint16_t*>(row + 16 * pc + 8));
     d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
   }
+}
+
+// The same words from a fragment-order slot: x[0][0], x[0][1], x[1][0], x[1][1] | x[2][0] .. x[3][1]
+__device__ __forceinline__ void gather_frag(const uint8_t* slot, int g, int lane, StepWords& d) {
+  const uint4 lo = *reinterpret_cast<const uint4*>(slot + 16 * lane);
+  const uint4 hi = *reinterpret_cast<const uint4*>(slot + kFragHalf + 16 * lane);
+  d.x[0][0] = lo.x, d.x[0][1] = lo.y, d.x[1][0] = lo.z, d.x[1][1] = lo.w;
+  d.x[2][0] = hi.x, d.x[2][1] = hi.y, d.x[3][0] = hi.z, d.x[3][1] = hi.w;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
+}
+
+template <bool FRAG>
+__device__ __forceinline__ void gather_step(const uint8_t* slot, int g, int t, int lane, StepWords& d) {
+  if (FRAG) gather_frag(slot, g, lane, d);
+  else gather(slot, g, t, d);
 }
 
 // A fragments of one step: [piece 0..3 evens, 4..7 odds][mma register]
@@ -303,8 +325,8 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
 }
 
 // grid: x = groups of R x RG row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
-// block: 32 W threads (W = R * C). ROWS: RG may be above 1.
-template <int NT, int D, bool GROUPED, bool ROWS>
+// block: 32 W threads (W = R * C). ROWS: RG may be above 1. FRAG: weight codes in fragment order.
+template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
 __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kUnits = TokenBudget<NT>::kUnitsPerThread;
@@ -343,7 +365,11 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   const int units = p.seg * 8 * NT * 4;  // token-decoding units per segment
   // where this lane's copies of a step land in a ring slot: 16 code bytes of rows g and g + 8, 4 scale bytes
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const uint32_t dst_c = g * kRowPitch + 16 * t, dst_s = 16 * kRowPitch + 4 * lane;
+  // this lane's two 16-byte copies of a step: rows g and g + 8 (row-major), or its own 32 bytes (FRAG)
+  const uint32_t dst_c = FRAG ? 16 * lane : g * kRowPitch + 16 * t, dst_s = 16 * kRowPitch + 4 * lane;
+  const uint32_t dst_c8 = FRAG ? dst_c + kFragHalf : dst_c + 8 * kRowPitch;
+  // bytes from one K step to the next: 64 of each row (row-major), the warp's whole 1 KB step (FRAG)
+  constexpr int kCodeStep = FRAG ? 16 * kStepBytes : kStepBytes;
 
   int* tile_start = reinterpret_cast<int*>(smem + L.tiles);
   if (GROUPED) {
@@ -367,8 +393,10 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       m0 = tile * 8 * NT;
       m_end = min(p.M, m0 + 8 * NT);
     }
-    const uint8_t* src_c = wc + static_cast<size_t>(row0 + g) * kh + 16 * t;
+    // K step 0 of my first row group (row groups start 16 kh code bytes apart in either layout)
+    const uint8_t* src_c = wc + static_cast<size_t>(row0) * kh + (FRAG ? 16 * lane : g * kh + 16 * t);
     const uint8_t* src_s = ws + static_cast<size_t>(row0 + (lane >> 1)) * ks + 4 * (lane & 1);
+    const size_t c8 = FRAG ? kFragHalf : 8 * kh;
     const bool has_bias = p.bias != nullptr;
     float ga_m[NT][2];
 #pragma unroll
@@ -381,26 +409,34 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
 
     // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
     // past my last step the copies read nothing (source size 0) from step 0. Then the cursor moves to my next
-    // step: the next K step, my next chunk, or K step 0 of my next row group.
+    // step: the next K step, my next chunk, or K step 0 of my next row group (running pointers: cur_c / cur_s
+    // at K step si of row group ri, rg_c / rg_s at its step 0).
     int ji = 0, si = c << lcs, ri = 0;
-    const uint8_t* src_c8 = src_c + 8 * kh;
+    const uint8_t* rg_c = src_c;
+    const uint8_t* rg_s = src_s;
+    const uint8_t* cur_c = src_c + static_cast<size_t>(si) * kCodeStep;
+    const uint8_t* cur_s = src_s + static_cast<size_t>(si) * 8;
     auto issue_next = [&]() {
       const bool live = ji < J;
       const uint32_t n16 = live ? 16 : 0, n4 = live ? 4 : 0;
-      const uint32_t s_ok = live ? si : 0;
-      const size_t rows = live ? static_cast<size_t>(ri) * row_pitch : 0;  // my row group's first row, relative
+      const uint8_t* sc = live ? cur_c : src_c;
+      const uint8_t* ss = live ? cur_s : src_s;
       const uint32_t slot = ring_s + (ji & (D - 1)) * kSlotBytes;
       asm volatile(
           "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
           "cp.async.cg.shared.global [%3], [%4], 16, %2;\n"
           "cp.async.ca.shared.global [%5], [%6], 4, %7;\n"
-          "cp.async.commit_group;\n" ::"r"(slot + dst_c), "l"(src_c + rows * kh + s_ok * kStepBytes), "r"(n16),
-          "r"(slot + dst_c + 8 * kRowPitch), "l"(src_c8 + rows * kh + s_ok * kStepBytes), "r"(slot + dst_s),
-          "l"(src_s + rows * ks + s_ok * 8), "r"(n4));
+          "cp.async.commit_group;\n" ::"r"(slot + dst_c), "l"(sc), "r"(n16), "r"(slot + dst_c8), "l"(sc + c8),
+          "r"(slot + dst_s), "l"(ss), "r"(n4));
       ++ji;
-      const bool next_rows = si + 1 == nsteps && ri + 1 < nrg;
-      ri += next_rows;
-      si = next_rows ? 0 : si + (((si + 1) & (cs - 1)) == 0 ? jump + 1 : 1);
+      if (si + 1 == nsteps && ri + 1 < nrg) {  // K step 0 of my next row group
+        ++ri, si = 0;
+        rg_c += static_cast<size_t>(row_pitch) * kh, rg_s += static_cast<size_t>(row_pitch) * ks;
+        cur_c = rg_c, cur_s = rg_s;
+      } else {
+        const int d = ((si + 1) & (cs - 1)) == 0 ? jump + 1 : 1;
+        si += d, cur_c += d * kCodeStep, cur_s += d * 8;
+      }
     };
 
     __syncthreads();  // the previous tile's readers of the ring, the token buffers and the chunk sums are done
@@ -455,9 +491,9 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
     {
       cp_async_wait<D - 3>();  // my steps 0 and 1 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
-      gather(ring, g, t, w1);
+      gather_step<FRAG>(ring, g, t, lane, w1);
       decode_step(w1, a0);
-      gather(ring + kSlotBytes, g, t, w0);
+      gather_step<FRAG>(ring + kSlotBytes, g, t, lane, w0);
     }
 
     // my step j, K step with token fragments at b: refill the slot of step j - 1 with step j + D - 1, gather
@@ -468,7 +504,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       issue_next();
       cp_async_wait<D - 3>();  // my steps <= j + 2 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
-      gather(ring + ((j + 2) & (D - 1)) * kSlotBytes, g, t, w_next);  // stale (unused) past my last step
+      gather_step<FRAG>(ring + ((j + 2) & (D - 1)) * kSlotBytes, g, t, lane, w_next);  // stale (unused) past my last step
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
 #pragma unroll
@@ -594,9 +630,9 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   }
 }
 
-// Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped, row groups in sequence);
-// returns a cudaError_t.
-template <int NT, int D, bool GROUPED, bool ROWS>
+// Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped, row groups in sequence,
+// fragment-order codes); returns a cudaError_t.
+template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
   const int nsteps = p.K / 128;
   const int nchunks = p.chunk_log2 >= 0 ? (nsteps + (1 << p.chunk_log2) - 1) >> p.chunk_log2 : 1;
@@ -611,34 +647,39 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64) return -1;
   if (smem > 48 * 1024 && smem > raised[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED, ROWS>,
+    cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return static_cast<int>(err);
     raised[dev] = smem;
   }
-  decode_gemm_kernel<NT, D, GROUPED, ROWS><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
+  decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <int NT, bool GROUPED>
+template <int NT, bool GROUPED, bool ROWS>
 int launch_depth(const Params& p, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
-  if (p.row_groups > 1) {
-    if (depth == 4) return launch_one<NT, 4, GROUPED, true>(p, warps, grid_x, grid_y, stream);
-    if (depth == 8) return launch_one<NT, 8, GROUPED, true>(p, warps, grid_x, grid_y, stream);
-    if (depth == 16) return launch_one<NT, 16, GROUPED, true>(p, warps, grid_x, grid_y, stream);
+  if (p.frag) {
+    if (depth == 4) return launch_one<NT, 4, GROUPED, ROWS, true>(p, warps, grid_x, grid_y, stream);
+    if (depth == 8) return launch_one<NT, 8, GROUPED, ROWS, true>(p, warps, grid_x, grid_y, stream);
     return -1;
   }
-  if (depth == 4) return launch_one<NT, 4, GROUPED, false>(p, warps, grid_x, grid_y, stream);
-  if (depth == 8) return launch_one<NT, 8, GROUPED, false>(p, warps, grid_x, grid_y, stream);
-  if (depth == 16) return launch_one<NT, 16, GROUPED, false>(p, warps, grid_x, grid_y, stream);
+  if (depth == 4) return launch_one<NT, 4, GROUPED, ROWS, false>(p, warps, grid_x, grid_y, stream);
+  if (depth == 8) return launch_one<NT, 8, GROUPED, ROWS, false>(p, warps, grid_x, grid_y, stream);
+  if (depth == 16) return launch_one<NT, 16, GROUPED, ROWS, false>(p, warps, grid_x, grid_y, stream);
   return -1;
+}
+
+template <int NT, bool GROUPED>
+int launch_rows(const Params& p, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
+  return p.row_groups > 1 ? launch_depth<NT, GROUPED, true>(p, depth, warps, grid_x, grid_y, stream)
+                          : launch_depth<NT, GROUPED, false>(p, depth, warps, grid_x, grid_y, stream);
 }
 
 template <bool GROUPED>
 int launch_tiles(const Params& p, int nt, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
-  if (nt == 1) return launch_depth<1, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
-  if (nt == 2) return launch_depth<2, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
-  if (nt == 4) return launch_depth<4, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
+  if (nt == 1) return launch_rows<1, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
+  if (nt == 2) return launch_rows<2, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
+  if (nt == 4) return launch_rows<4, GROUPED>(p, depth, warps, grid_x, grid_y, stream);
   return -1;
 }
 
@@ -651,7 +692,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t stream) {
+                           int64_t frag, int64_t stream) {
   using namespace minite_decode;
   Params p;
   p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
@@ -678,6 +719,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.w_estride_c = w_estride_c;
   p.w_estride_s = w_estride_s;
   p.gw_estride = gw_estride;
+  p.frag = static_cast<int>(frag);
   const int64_t nsteps = K / 128;
   if (warps < 1 || warps > 8 || (warps & (warps - 1)) || lanes < 1 || warps % lanes || (lanes & (lanes - 1)) ||
       chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1)

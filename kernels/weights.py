@@ -37,6 +37,7 @@ class NVFP4Experts:
     scales: torch.Tensor
     global_scale: torch.Tensor
     f16: torch.Tensor | None = None  # [E, N, cdiv(K, 128) * 128] pre-decoded (``prepare_experts``), or None
+    frag: torch.Tensor | None = None  # codes in the decode kernel's fragment order (``decode_layout``), or None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -44,8 +45,10 @@ class NVFP4Experts:
         return (e, n, kh * 2)
 
     def to(self, device) -> "NVFP4Experts":
+        def move(t):
+            return None if t is None else t.to(device)
         return NVFP4Experts(self.codes.to(device), self.scales.to(device), self.global_scale.to(device),
-                            None if self.f16 is None else self.f16.to(device))
+                            move(self.f16), move(self.frag))
 
 
 def stack_experts(ws) -> NVFP4Experts:
@@ -76,6 +79,38 @@ def prepare_experts(ws, backend: str | None = None) -> NVFP4Experts:
     flat = NVFP4Tensor(ex.codes.reshape(e * n, k // 2), ex.scales.reshape(e * n, k // 16),
                        torch.ones((), device=ex.codes.device))
     return NVFP4Experts(ex.codes, ex.scales, ex.global_scale, decode_f16(flat).view(e, n, -1))
+
+
+def fragment_order(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., N, K/2] (N a multiple of 16, K of 128) -> the same bytes in the CUDA decode kernel's
+    fragment order (``decode_gemm.cu``, FRAG), same shape: per 16-row group and 128-wide K step the 1 KB a
+    warp reads, as [half][lane 4g + t][word 2 (pc & 1) + r][4 bytes], word (pc, r) holding the code bytes
+    16 pc + 2t, +1 and 16 pc + 8 + 2t, +1 of row g + 8 r (pc = 2 half + (pc & 1)): the words a lane gathers,
+    in the order it uses them."""
+    *lead, n, kh = codes.shape
+    if n % 16 or kh % 64:
+        raise ValueError(f"fragment_order: codes [..., N, K/2] need N % 16 == 0 and K % 128 == 0, "
+                         f"got {tuple(codes.shape)}")
+    # [groups, r, g, step, pc_hi, pc_lo, h, t, j]: row 16 group + 8 r + g, byte 16 (2 pc_hi + pc_lo) + 8 h + 2 t + j
+    v = codes.reshape(*lead, n // 16, 2, 8, kh // 64, 2, 2, 2, 4, 2)
+    d = len(lead)
+    order = [*range(d), d, d + 3, d + 4, d + 2, d + 7, d + 5, d + 1, d + 6, d + 8]
+    return v.permute(order).contiguous().reshape(codes.shape)
+
+
+def decode_layout(ex: NVFP4Experts, backend: str | None = None) -> NVFP4Experts:
+    """``ex`` with its codes also in fragment order (``fragment_order``: one more copy of the packed bytes)
+    where the CUDA decode kernel can run (CUDA device, Triton path, ``MINITE_KERNELS_CUDA`` not 0): its
+    grouped decode GEMM then reads each warp's K step as one contiguous 1 KB with two shared loads per lane
+    (same values, same bits). Elsewhere ``ex`` unchanged. Make it once per weight version (a sampler's
+    sync), not per call."""
+    from . import _cuda_decode
+    ex = stack_experts(ex)
+    dev = ex.codes.device
+    if ex.frag is not None or dev.type != "cuda" or not _cuda_decode.enabled() \
+            or gemm_path(dev, backend) != "triton" or ex.shape[1] % 16 or ex.shape[2] % 128:
+        return ex
+    return NVFP4Experts(ex.codes, ex.scales, ex.global_scale, ex.f16, fragment_order(ex.codes))
 
 
 def _check_tensor(t, what: str) -> None:

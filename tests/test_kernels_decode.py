@@ -6,7 +6,7 @@ import torch
 from minite.kernels import _cuda_decode, _decode_twin, checks, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
 from minite.kernels import gemm as G
 from minite.kernels._backend import interpreter_on as _interpreted
-from minite.kernels.weights import decode_f16
+from minite.kernels.weights import decode_f16, decode_layout, fragment_order
 from test_trainer_kernels import LAYOUTS, _layout_kernel_vs_torch
 
 from minite import nvfp4 as ref
@@ -25,6 +25,22 @@ def test_weight_fragments_are_the_triton_k_order(row0, step):
     want = decode_f16(w)[row0:row0 + 16, step * 128:(step + 1) * 128]
     got = _decode_twin.weight_operand(_decode_twin.weight_fragments(w.codes, w.scales, row0, step))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("row0,step", [(0, 0), (16, 1), (32, 0)])
+def test_fragment_order_gives_the_lanes_the_same_fragments(row0, step):
+    """Codes in fragment order (``decode_layout``'s copy), read as ``gather_frag`` reads a ring slot, give
+    every lane the fragments the row-major gather gives it: the same fp16 bits; the bytes are a permutation."""
+    w = _q(48, 384, seed=4)
+    frag = fragment_order(w.codes)
+    want = _decode_twin.weight_fragments(w.codes, w.scales, row0, step)
+    got = _decode_twin.weight_fragments(frag, w.scales, row0, step, frag=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(frag.flatten().sort().values, w.codes.flatten().sort().values)
+    ex = stack_experts([w, w])
+    assert decode_layout(ex).frag is None  # CPU: no CUDA decode kernel, no second copy
+    with pytest.raises(ValueError, match="fragment_order"):
+        fragment_order(w.codes[:40])
 
 
 @pytest.mark.parametrize("nt,m_end", [(1, 5), (2, 13), (2, 16)])
@@ -309,12 +325,16 @@ def test_gpu_grouped_decode_bit_equal(tokens):
     ws = [quantize(torch.randn(256, 768, device=dev), scaling="row" if i % 2 else "tensor") for i in range(128)]
     ws = [ref.NVFP4Tensor(x.codes, x.scales, x.row_global_scale().contiguous()) for x in ws]
     ex = stack_experts(ws)
+    exf = decode_layout(ex)
+    assert exf.frag is not None and not torch.equal(exf.frag, ex.codes)
     want = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=G.GROUPED_FALLBACK)
     for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=4), dict(NT=1, W=4, D=8, SEG=0, RG=4),
-                dict(NT=1, W=2, D=4, SEG=0, RG=16, CTAS=64), dict(NT=2, W=8, D=8, SEG=0, RG=2)):
+                dict(NT=1, W=2, D=4, SEG=0, RG=16, CTAS=64), dict(NT=2, W=8, D=8, SEG=0, RG=2),
+                dict(NT=1, W=4, D=16, SEG=0, RG=4)):
         cfg = dict(variant="cuda", **cfg)
-        got = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=cfg)
-        assert torch.equal(got, want), G.config_name(cfg)
+        for e in (ex, exf):  # row-major codes, fragment order (depths 4 / 8; 16 reads the row-major codes)
+            got = grouped_nvfp4_gemm(a, e, offs, out_dtype=torch.float32, config=cfg)
+            assert torch.equal(got, want), (G.config_name(cfg), e.frag is not None)
     o = offs.tolist()
     for i in range(128):
         if o[i + 1] > o[i]:
@@ -339,6 +359,7 @@ def test_gpu_grouped_decode_many_rows_per_expert_bit_equal(tokens, n, k):
     want = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.bfloat16, config=G.GROUPED_FALLBACK)
     assert torch.equal(grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.bfloat16, config=cfg), want), \
         G.config_name(cfg)
+    assert torch.equal(grouped_nvfp4_gemm(a, decode_layout(ex), offs, out_dtype=torch.bfloat16, config=cfg), want)
     assert G.grouped_config_for(a, ex) == G.config_name(cfg)  # and the dispatch takes it (probe passed)
 
 

@@ -114,6 +114,7 @@ class Experts:
             return [self.gate_up, self.down]
         out = [t for part in ("gate_up", "down") for t in (self.stacked[part].codes, self.stacked[part].scales,
                                                             self.stacked[part].global_scale)]
+        out += [self.stacked[p].frag for p in ("gate_up", "down") if self.stacked[p].frag is not None]
         return out + [self.__dict__["_deq"][p] for p in ("gate_up", "down") if p in self.__dict__.get("_deq", {})]
 
     @property
@@ -168,7 +169,8 @@ class SamplerWeights:
     def prepare(self, recipe: EngineRecipe) -> None:
         """The forms a decode step reads, made here (after a sync or a calibration), not inside the step:
         for the emulated GEMM path the BF16 dequantized weights (the values it multiplies by, so caching
-        changes no bit), and static activation scales as host numbers."""
+        changes no bit), for the kernel path the experts' codes in the CUDA decode kernel's fragment order
+        (``kernels.decode_layout``: same bits), and static activation scales as host numbers."""
         emulated, act = recipe.gemm == "emulated", recipe.activations
         for lin in self.linears():
             if lin.quantized:
@@ -179,6 +181,8 @@ class SamplerWeights:
                 ex.act_scale = {p: host_static_scale(getattr(ex, f"{p}_amax"), act) for p in ("gate_up", "down")}
                 if emulated:
                     ex.dequantized("gate_up"), ex.dequantized("down")
+                elif recipe.gemm == "kernel":  # the decode kernel's fragment-order codes (CUDA decode path only)
+                    ex.stacked = {p: kernels.decode_layout(ex.stacked[p]) for p in ("gate_up", "down")}
 
     def act_scales(self) -> list:
         """Every static activation scale a decode step bakes in (a change means new CUDA graphs)."""
