@@ -17,8 +17,8 @@ exact pure PyTorch on CPU.
         a @ w.T for NVFP4Tensors a [M, K], w [N, K]; batch invariant and deterministic.
     prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes).
     prepare_experts(ws) -> NVFP4Experts   stacked + pre-decoded fp16 experts (fast large-M grouped path).
-    decode_layout(ws) -> NVFP4Experts     stacked + the codes in the CUDA decode kernel's fragment order (a
-        sampler's decode-time experts: one contiguous read per warp step; same bits).
+    decode_layout(w or ws) -> PreparedWeight / NVFP4Experts   the codes also in the CUDA decode kernel's
+        fragment order (a sampler's decode-time weights: one contiguous read per warp step; same bits).
     grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None, k_segments=1) -> [M, N]
         MoE: rows sorted by expert, ws a list of NVFP4Tensors or an NVFP4Experts (``stack_experts``).
     transpose_weight(w) / transpose_experts(ex, shards=1)

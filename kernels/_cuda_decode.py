@@ -193,16 +193,19 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
     return out
 
 
-def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0) -> torch.Tensor:
+def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0, frag: torch.Tensor | None = None) -> torch.Tensor:
     """out[M, N] = a @ w.T (a, w NVFP4; ``out`` preallocated). Grid: weight-row groups x token tiles. ``chunk``:
-    the K-chunk contract's chunk (0: one chain over K)."""
+    the K-chunk contract's chunk (0: one chain over K). ``frag``: w's codes in fragment order (read instead of
+    ``w.codes`` where the ring depth has a fragment-order build; same bits)."""
     m, k = a.shape
     n = w.shape[0]
     ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
     shape = plan(cfg, k, chunk, out.device.index)
-    return _call(mod, a, w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk, shape)
+    use = frag is not None and cfg["D"] in FRAG_DEPTHS
+    return _call(mod, a, frag if use else w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk, shape,
+                 frag=use)
 
 
 def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -> torch.Tensor:

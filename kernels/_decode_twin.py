@@ -23,6 +23,16 @@ def high_nibbles(x: torch.Tensor) -> torch.Tensor:
     return (x & 0x80808080) | ((x >> 3) & 0x0E0E0E0E)
 
 
+def frag_evens(y: torch.Tensor) -> torch.Tensor:
+    """``low_nibbles`` of a word from its fragment-order form (``weights.fragment_order``: evens in place)."""
+    return y & 0x8E8E8E8E
+
+
+def frag_odds(y: torch.Tensor) -> torch.Tensor:
+    """``high_nibbles`` of a word from its fragment-order form (odds stored as sign | mag << 4)."""
+    return ((y >> 3) & 0x0E0E0E0E) | ((y << 7) & 0x80808080)
+
+
 def byte_perm(x: torch.Tensor, y, sel: int) -> torch.Tensor:
     """__byte_perm(x, y, sel): byte i of the result is byte (sel >> 4i) & 7 of {y, x} (x = bytes 0-3)."""
     y = torch.as_tensor(y, dtype=torch.int64)
@@ -81,7 +91,7 @@ def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step:
     joins the u16s at 16 pc + 2t and 16 pc + 8 + 2t of rows g and g + 8 into one word per piece, and reads
     the rows' scale bytes as two words. ``frag``: ``codes`` in fragment order (``weights.fragment_order``),
     the slot being the step's 1 KB, from which ``gather_frag`` reads word (pc, r) at 512 (pc >> 1) + 16 lane
-    + 4 (2 (pc & 1) + r)."""
+    + 4 (2 (pc & 1) + r), decoded by ``frag_evens`` / ``frag_odds``."""
     kh = codes.shape[-1]
     if frag:
         chunk = codes.reshape(-1)[row0 * kh + step * 16 * ROW_STEP_BYTES:][:16 * ROW_STEP_BYTES]
@@ -100,7 +110,8 @@ def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step:
                     row = slot[g + 8 * r]
                     x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
                 s_a, s_b = se[pc >> 1][pc & 1], so[pc >> 1][pc & 1]  # blocks 2 pc, 2 pc + 1
-                for half, fn in ((0, low_nibbles), (1, high_nibbles)):
+                evens, odds = (frag_evens, frag_odds) if frag else (low_nibbles, high_nibbles)
+                for half, fn in ((0, evens), (1, odds)):
                     h = fn(x)
                     out[half * 4 + pc, lane, r] = scaled(pair01(h), s_a)
                     out[half * 4 + pc, lane, 2 + r] = scaled(pair23(h), s_b)

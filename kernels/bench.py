@@ -94,7 +94,7 @@ def _copies(obj, n):
         if isinstance(o, torch.Tensor):
             return o.clone()
         if isinstance(o, PreparedWeight):
-            return PreparedWeight(clone(o.w), o.f16.clone())
+            return PreparedWeight(clone(o.w), *(None if t is None else t.clone() for t in (o.f16, o.frag)))
         if isinstance(o, NVFP4Experts):
             return NVFP4Experts(*(None if t is None else t.clone() for t in (o.codes, o.scales, o.global_scale,
                                                                                o.f16, o.frag)))
@@ -124,7 +124,7 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
     x = torch.randn(m, k, device=dev)
     w32 = torch.randn(n, k, device=dev)
     a, w = quantize(x, scaling="row"), quantize(w32)
-    pw = prepare_weight(w)
+    pw = decode_layout(prepare_weight(w))  # prepared: f16 for large M, fragment order for the decode kernel
     a16, w16 = ref.dequantize(a).bfloat16(), ref.dequantize(w).bfloat16()
     table = torch.tensor(ref.E2M1_VALUES, device=dev)
     flops = 2.0 * m * n * k

@@ -30,10 +30,12 @@
 //   * the token fragments are decoded once per CTA per segment of steps into shared memory (all of K when it
 //     fits: then no barrier in the main loop) and read back with conflict-free 16-byte loads;
 //   * the epilogue's scales and bias are loaded before the main loop (off the tail's critical path).
-// Weight codes in fragment order (FRAG, ``weights.fragment_order``): the same bytes, stored per 16-row group and
-// K step as the 1 KB a warp's step reads, lane l's 32 bytes being exactly the eight words it gathers (at
-// 16 l and 512 + 16 l, conflict-free 16-byte loads): one contiguous read per step and two shared loads per
-// lane instead of 16 two-byte ones and 8 byte_perms. The words, hence the fragments and the bits, are the same.
+// Weight codes in fragment order (FRAG, ``weights.fragment_order``): stored per 16-row group and K step as the
+// 1 KB a warp's step reads, lane l's 32 bytes being the eight words it gathers (at 16 l and 512 + 16 l,
+// conflict-free 16-byte loads): one contiguous read per step and two shared loads per lane instead of 16
+// two-byte ones and 8 byte_perms. Each byte's two elements are stored ready for their decode: the even one
+// as its fp16 high byte (sign << 7 | mag << 1, one mask), the odd one as sign | mag << 4. The fragments, hence
+// the bits, are those of the row-major codes.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -92,6 +94,9 @@ __device__ __forceinline__ uint32_t low_nibbles(uint32_t x) {   // high bytes of
 __device__ __forceinline__ uint32_t high_nibbles(uint32_t x) {  // high bytes of the four odd-K elements
   return (x & 0x80808080u) | ((x >> 3) & 0x0E0E0E0Eu);
 }
+// the same high bytes from a fragment-order word (even elements in place, odd ones as sign | mag << 4)
+__device__ __forceinline__ uint32_t frag_evens(uint32_t y) { return y & 0x8E8E8E8Eu; }
+__device__ __forceinline__ uint32_t frag_odds(uint32_t y) { return ((y >> 3) & 0x0E0E0E0Eu) | ((y << 7) & 0x80808080u); }
 // fp16x2 {B0, B1} / {B2, B3} of such high bytes
 __device__ __forceinline__ uint32_t pair01(uint32_t h) { return __byte_perm(h, 0u, 0x1404); }
 __device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0u, 0x3424); }
@@ -155,6 +160,7 @@ __device__ __forceinline__ void gather_step(const uint8_t* slot, int g, int t, i
 }
 
 // A fragments of one step: [piece 0..3 evens, 4..7 odds][mma register]
+template <bool FRAG>
 __device__ __forceinline__ void decode_step(const StepWords& w, uint32_t (&a)[8][4]) {
   __half2 se[2][2], so[2][2];  // [row g | g + 8][scale word x | y]: {blocks 0, 2 | 4, 6}, {1, 3 | 5, 7}
 #pragma unroll
@@ -170,7 +176,8 @@ __device__ __forceinline__ void decode_step(const StepWords& w, uint32_t (&a)[8]
     for (int r = 0; r < 2; ++r) {
       const __half s_a = (pc & 1) ? __high2half(se[r][wsel]) : __low2half(se[r][wsel]);
       const __half s_b = (pc & 1) ? __high2half(so[r][wsel]) : __low2half(so[r][wsel]);
-      const uint32_t lo = low_nibbles(w.x[pc][r]), hi = high_nibbles(w.x[pc][r]);
+      const uint32_t lo = FRAG ? frag_evens(w.x[pc][r]) : low_nibbles(w.x[pc][r]);
+      const uint32_t hi = FRAG ? frag_odds(w.x[pc][r]) : high_nibbles(w.x[pc][r]);
       a[pc][r] = scaled(pair01(lo), s_a);          // row g + 8 r, positions 2t, 2t+1
       a[pc][2 + r] = scaled(pair23(lo), s_b);      // row g + 8 r, positions 2t+8, 2t+9
       a[4 + pc][r] = scaled(pair01(hi), s_a);
@@ -492,7 +499,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
       cp_async_wait<D - 3>();  // my steps 0 and 1 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
       gather_step<FRAG>(ring, g, t, lane, w1);
-      decode_step(w1, a0);
+      decode_step<FRAG>(w1, a0);
       gather_step<FRAG>(ring + kSlotBytes, g, t, lane, w0);
     }
 
@@ -520,7 +527,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
           }
         }
       }
-      decode_step(w, a_next);
+      decode_step<FRAG>(w, a_next);
     };
 
     int j = 0;

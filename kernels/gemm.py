@@ -238,7 +238,8 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
         try:
-            return _cuda_decode.dense(mod, a, wq, out, bias, cfg, k_chunk())
+            return _cuda_decode.dense(mod, a, wq, out, bias, cfg, k_chunk(),
+                                      prepared.frag if prepared is not None else None)
         except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton candidates
             if config:
                 raise
@@ -248,7 +249,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
         raise ValueError(f"unknown GEMM variant {variant!r}")
     w_f16 = None
     if variant in ("w16", "f16", "w16w"):
-        w_f16 = prepared.f16 if prepared is not None else decode_f16(wq)
+        w_f16 = prepared.f16 if prepared is not None and prepared.f16 is not None else decode_f16(wq)
     if variant in _w32_launch.WORD_VARIANTS:
         return _w32_launch.launch_dense(a, wq, w_f16, out, bias, cfg, k_chunk())
     cfg.pop("variant", None)

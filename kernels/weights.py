@@ -82,11 +82,13 @@ def prepare_experts(ws, backend: str | None = None) -> NVFP4Experts:
 
 
 def fragment_order(codes: torch.Tensor) -> torch.Tensor:
-    """Packed codes [..., N, K/2] (N a multiple of 16, K of 128) -> the same bytes in the CUDA decode kernel's
-    fragment order (``decode_gemm.cu``, FRAG), same shape: per 16-row group and 128-wide K step the 1 KB a
+    """Packed codes [..., N, K/2] (N a multiple of 16, K of 128) -> the CUDA decode kernel's fragment-order
+    codes (``decode_gemm.cu``, FRAG), same shape and size: per 16-row group and 128-wide K step the 1 KB a
     warp reads, as [half][lane 4g + t][word 2 (pc & 1) + r][4 bytes], word (pc, r) holding the code bytes
     16 pc + 2t, +1 and 16 pc + 8 + 2t, +1 of row g + 8 r (pc = 2 half + (pc & 1)): the words a lane gathers,
-    in the order it uses them."""
+    in the order it uses them. Each byte's even (low-nibble) element is stored as its fp16 high byte
+    (sign << 7 | mag << 1) and its odd one as sign | mag << 4, so one mask and four shift / mask operations
+    per word give the decoded high bytes (two fewer operations than from e2m1 nibbles)."""
     *lead, n, kh = codes.shape
     if n % 16 or kh % 64:
         raise ValueError(f"fragment_order: codes [..., N, K/2] need N % 16 == 0 and K % 128 == 0, "
@@ -95,22 +97,29 @@ def fragment_order(codes: torch.Tensor) -> torch.Tensor:
     v = codes.reshape(*lead, n // 16, 2, 8, kh // 64, 2, 2, 2, 4, 2)
     d = len(lead)
     order = [*range(d), d, d + 3, d + 4, d + 2, d + 7, d + 5, d + 1, d + 6, d + 8]
-    return v.permute(order).contiguous().reshape(codes.shape)
+    b = v.permute(order).contiguous().reshape(codes.shape)
+    return ((b & 0x08) << 4) | ((b & 0x07) << 1) | ((b & 0x80) >> 7) | (b & 0x70)
 
 
-def decode_layout(ex: NVFP4Experts, backend: str | None = None) -> NVFP4Experts:
-    """``ex`` with its codes also in fragment order (``fragment_order``: one more copy of the packed bytes)
-    where the CUDA decode kernel can run (CUDA device, Triton path, ``MINITE_KERNELS_CUDA`` not 0): its
-    grouped decode GEMM then reads each warp's K step as one contiguous 1 KB with two shared loads per lane
-    (same values, same bits). Elsewhere ``ex`` unchanged. Make it once per weight version (a sampler's
-    sync), not per call."""
+def decode_layout(w, backend: str | None = None):
+    """A weight (NVFP4Tensor or ``PreparedWeight`` -> ``PreparedWeight``) or experts (a list or
+    ``NVFP4Experts`` -> ``NVFP4Experts``) with the codes also in fragment order (``fragment_order``: one more
+    copy of the packed bytes) where the CUDA decode kernel can run (CUDA device, Triton path,
+    ``MINITE_KERNELS_CUDA`` not 0). The decode GEMMs then read each warp's K step as one contiguous 1 KB with
+    two shared loads per lane and fewer decode operations (same values, same bits). Elsewhere the weight is
+    returned as it came (experts stacked). Make it once per weight version (a sampler's sync), not per call."""
     from . import _cuda_decode
-    ex = stack_experts(ex)
-    dev = ex.codes.device
-    if ex.frag is not None or dev.type != "cuda" or not _cuda_decode.enabled() \
-            or gemm_path(dev, backend) != "triton" or ex.shape[1] % 16 or ex.shape[2] % 128:
-        return ex
-    return NVFP4Experts(ex.codes, ex.scales, ex.global_scale, ex.f16, fragment_order(ex.codes))
+    dense = isinstance(w, (NVFP4Tensor, PreparedWeight))
+    x = w if dense else stack_experts(w)
+    codes = (x.w if isinstance(x, PreparedWeight) else x).codes
+    if getattr(x, "frag", None) is not None or codes.device.type != "cuda" or not _cuda_decode.enabled() \
+            or gemm_path(codes.device, backend) != "triton" or codes.shape[-2] % 16 or codes.shape[-1] % 64:
+        return x
+    if isinstance(x, NVFP4Tensor):
+        return PreparedWeight(x, None, fragment_order(codes))
+    if isinstance(x, PreparedWeight):
+        return PreparedWeight(x.w, x.f16, fragment_order(codes))
+    return NVFP4Experts(x.codes, x.scales, x.global_scale, x.f16, fragment_order(codes))
 
 
 def _check_tensor(t, what: str) -> None:
@@ -131,12 +140,14 @@ def _check_tensor(t, what: str) -> None:
 
 @dataclass
 class PreparedWeight:
-    """A weight kept twice: packed NVFP4 (read by the small-M, memory-bound kernel) and pre-decoded fp16 in
-    the GEMM's K order (``decode_f16``: exact values * 2**-14, 4x the packed bytes) for large M, where
-    decoding inside the main loop would cost more ALU time than the tensor cores take. Same bits either way."""
+    """A weight kept in the forms its GEMMs read: packed NVFP4, pre-decoded fp16 in the GEMM's K order
+    (``prepare_weight``; ``decode_f16``: exact values * 2**-14, 4x the packed bytes) for large M, where
+    decoding inside the main loop would cost more ALU time than the tensor cores take, and / or the codes in
+    the CUDA decode kernel's fragment order (``decode_layout``) for few rows. Same bits whichever is read."""
 
     w: NVFP4Tensor
-    f16: torch.Tensor  # [N, cdiv(K, 128) * 128]
+    f16: torch.Tensor | None = None   # [N, cdiv(K, 128) * 128], or None: decoded per call where needed
+    frag: torch.Tensor | None = None  # [N, K/2] fragment-order codes, or None
 
     @property
     def shape(self):

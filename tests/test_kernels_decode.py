@@ -29,14 +29,16 @@ def test_weight_fragments_are_the_triton_k_order(row0, step):
 
 @pytest.mark.parametrize("row0,step", [(0, 0), (16, 1), (32, 0)])
 def test_fragment_order_gives_the_lanes_the_same_fragments(row0, step):
-    """Codes in fragment order (``decode_layout``'s copy), read as ``gather_frag`` reads a ring slot, give
-    every lane the fragments the row-major gather gives it: the same fp16 bits; the bytes are a permutation."""
+    """Codes in fragment order (``decode_layout``'s copy), read as ``gather_frag`` reads a ring slot and decoded
+    as the FRAG kernel decodes them, give every lane the fragments the row-major gather gives it: the same fp16
+    bits. Same size: the bytes are a permutation of re-encoded code bytes."""
     w = _q(48, 384, seed=4)
     frag = fragment_order(w.codes)
     want = _decode_twin.weight_fragments(w.codes, w.scales, row0, step)
     got = _decode_twin.weight_fragments(frag, w.scales, row0, step, frag=True)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(frag.flatten().sort().values, w.codes.flatten().sort().values)
+    recoded = ((w.codes & 0x08) << 4) | ((w.codes & 0x07) << 1) | ((w.codes & 0x80) >> 7) | (w.codes & 0x70)
+    assert torch.equal(frag.flatten().sort().values, recoded.flatten().sort().values)
     ex = stack_experts([w, w])
     assert decode_layout(ex).frag is None  # CPU: no CUDA decode kernel, no second copy
     with pytest.raises(ValueError, match="fragment_order"):
@@ -277,8 +279,9 @@ CONFIGS += [dict(variant="cuda", NT=nt, W=w, D=d, SEG=0, RG=rg) for nt, w, d, rg
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", CONFIGS, ids=G.config_name)
 def test_gpu_decode_configs_bit_equal_to_triton(cfg):
-    """Every config, every decode M, fp32 / bf16 / fp16 outputs, with a bias: bitwise the Triton safe config's
-    rows; and the float64 reference."""
+    """Every config, every decode M, fp32 / bf16 / fp16 outputs, with a bias, from row-major and from
+    fragment-order codes (``decode_layout``): bitwise the Triton safe config's rows; and the float64
+    reference."""
     dev = _gpu_module()
     g = torch.Generator().manual_seed(1)
     from minite.kernels import quantize
@@ -286,15 +289,19 @@ def test_gpu_decode_configs_bit_equal_to_triton(cfg):
     a_mod = quantize(torch.randn(64, 2048, generator=g).to(dev), scaling="row")  # fp16 output must not overflow
     w = quantize((torch.randn(1536, 2048, generator=g) * 0.05).to(dev))
     bias = torch.randn(1536, generator=g).to(dev)
+    wf = decode_layout(w)
+    assert wf.frag is not None
     for m in (1, 2, 5, 8, 16, 33, 64):
         sub = a.rows(0, m)
         got = nvfp4_gemm(sub, w, out_dtype=torch.float32, config=cfg)
         assert torch.equal(got, nvfp4_gemm(sub, w, out_dtype=torch.float32, config=G.SAFE_CONFIG)), m
+        assert torch.equal(nvfp4_gemm(sub, wf, out_dtype=torch.float32, config=cfg), got), m
         assert checks.rel_err(got, ref.nvfp4_matmul_reference(sub, w)) < 1e-5
         sub = a_mod.rows(0, m)
         for dt in (torch.bfloat16, torch.float16):
-            assert torch.equal(nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=cfg),
-                               nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=G.SAFE_CONFIG)), (m, dt)
+            want = nvfp4_gemm(sub, w, out_dtype=dt, bias=bias, config=G.SAFE_CONFIG)
+            for x in (w, wf):
+                assert torch.equal(nvfp4_gemm(sub, x, out_dtype=dt, bias=bias, config=cfg), want), (m, dt)
 
 
 @pytest.mark.gpu

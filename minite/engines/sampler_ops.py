@@ -112,7 +112,8 @@ def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | 
         lead, k = x.shape[:-1], x.shape[-1]
         y = F.linear(qdq_activation(x.reshape(-1, k), recipe.activations, scale), lin.deq)
         return y.to(x.dtype).reshape(*lead, lin.deq.shape[0])
-    return nvfp4_linear(x, lin.q, recipe.activations, recipe.gemm, scale)
+    w = lin.decode if recipe.gemm == "kernel" and lin.decode is not None else lin.q
+    return nvfp4_linear(x, w, recipe.activations, recipe.gemm, scale)
 
 
 # ------------------------------------------------------------------------------------------------ experts
