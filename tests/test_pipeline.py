@@ -298,7 +298,8 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
         "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
         "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
         "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms",
-        "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms", "quant_share"]
+        "rollout_sha", "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
+        "quant_share"]
     assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()
     share = df.set_index("arm")["quant_share"]                          # the split, from the --split-steps updates
     assert share["bf16"] == 0.0 and (share[["naive_te_nvfp4", "minite_nvfp4"]] > 0).all()
@@ -306,6 +307,7 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
     assert job_counts(r.stdout + r.stderr).get("bench_sampler") == 3   # the rollout columns, measured too
     assert (df["rollout_tokens_per_s"] > 0).all() and (df["rollout_roofline_frac"] > 0).all()
     assert (df["sha"] == head).all(), (df["sha"].tolist(), head)       # this commit, clean tree
+    assert (df["rollout_sha"] == head).all(), df["rollout_sha"].tolist()
     assert df.loc[df["arm"] == "bf16", "ratio_vs_bf16"].item() == 1.0
     assert (df["model"] == "tiny").all() and df["device"].str.startswith("cpu").all()
     md = (res / "throughput_table.md").read_text()

@@ -98,8 +98,10 @@ def test_rollout_columns_from_bench_sampler_records(results):
                    {"decode_tokens_per_s": tps, "roofline_frac": tps / 10000,
                     "step_ms": {"median": 64e3 / tps, "p10": 0.9 * 64e3 / tps, "p90": 1.1 * 64e3 / tps, "n": 63},
                     "cuda_graphs": True, "model": "tiny", "layers": 2, "batch": 64, "prompt_len": 32,
-                    "new_tokens": 64, "device": "cpu"})
+                    "new_tokens": 64, "device": "cpu", "sha": f"r{arm}"})
     df = tables.write_throughput_table(results, ARMS).set_index("arm")
+    assert df.loc["minite_nvfp4", "rollout_sha"] == "rminite_nvfp4"
+    assert not isinstance(df.loc["naive_te_nvfp4", "rollout_sha"], str)  # no record: missing
     assert df.loc["minite_nvfp4", "rollout_tokens_per_s"] == 2500.0
     assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16"] == pytest.approx(1.25)
     assert df.loc["bf16", "rollout_roofline_frac"] == pytest.approx(0.2)

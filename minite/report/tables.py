@@ -44,7 +44,7 @@ COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_ste
            "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
            "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver",
            "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms",
-           "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
+           "rollout_sha", "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
            "quant_share"]
 SPLIT_KEYS = ("quantize", "gemm", "other", "optimizer")
 BF16, NAIVE, MINITE = "bf16", "naive_te_nvfp4", "minite_nvfp4"
@@ -129,6 +129,8 @@ def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None =
                                    for a in df["arm"]]
     df["rollout_step_ms"] = [float(rollout[a]["step_ms"]["median"]) if a in rollout else math.nan
                              for a in df["arm"]]
+    # the rollout record's own commit: a reference may keep learner rows of one run beside rollout rows of another
+    df["rollout_sha"] = [rollout[a].get("sha") if a in rollout else None for a in df["arm"]]
     return df[COLUMNS]
 
 
