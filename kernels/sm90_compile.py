@@ -1,7 +1,9 @@
 """``python -m minite.kernels.sm90_compile``: compile every GEMM config for sm_90 without a GPU (triton's own
 ptxas), print registers / shared memory / spills / cp.async and wgmma counts, fail on a config that would not
 fit an H200 (227 KB shared memory per block); then, where nvcc is installed, the CUDA decode kernel
-(``decode_gemm.cu``, every instantiation: registers and spills from ptxas). Run before spending device time."""
+(``decode_gemm.cu``, every instantiation: registers and spills from ptxas, and from its SASS the instructions
+per K step of the main loop with their mix). Run before spending device time: the decode loop is bound by
+its instruction issue (docs/KERNELS_NOTES.md), so the count per step predicts its speed."""
 from __future__ import annotations
 
 import os
@@ -31,12 +33,45 @@ def compile_one(fn, types, consts, num_warps, num_stages, div16=()):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def _cuobjdump() -> str | None:
+    """triton's bundled cuobjdump, else one on PATH, else None."""
+    try:
+        import triton
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    except ImportError:
+        tool = ""
+    return tool if os.path.exists(tool) else shutil.which("cuobjdump")
+
+
+def _opcode(instr: str) -> str:
+    """"@!P0 LOP3.LUT R1, ..." -> "LOP3"."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instr).split()[0].split(".")[0]
+
+
+def main_loop(sass: str, hmma_per_step: int) -> tuple[float, dict] | None:
+    """(instructions per K step, opcode counts per K step) of a kernel's main loop, from its SASS: the
+    smallest loop (a backward branch and the code it jumps over) that issues HMMA; its K steps are its HMMAs
+    over ``hmma_per_step``. None when no loop issues HMMA."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [_opcode(t) for a, t in ins if int(m.group(1), 16) <= a <= addr]
+        if "HMMA" in body and (best is None or len(body) < len(best)):
+            best = body
+    if best is None:
+        return None
+    steps = best.count("HMMA") / hmma_per_step
+    ops = {op: best.count(op) / steps for op in sorted(set(best), key=lambda o: -best.count(o))}
+    return len(best) / steps, ops
+
+
 def _resources(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers, spill-store bytes) of a compiled kernel, from ``cuobjdump -res-usage`` (triton's bundled copy
     or one on PATH); (None, None) without one."""
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    tool = _cuobjdump()
     if tool is None:
         return None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -63,19 +98,25 @@ def configs():
 
 
 def compile_cuda() -> int:
-    """nvcc -cubin of the CUDA decode kernel for sm_90; prints each instantiation's registers and spills.
-    Returns the number of failures (0 when nvcc is absent: nothing to check)."""
+    """nvcc -cubin of the CUDA decode kernel for sm_90; prints each instantiation's registers and spills, and
+    (with cuobjdump) its main loop's instructions per K step. Returns the number of failures (0 when nvcc is
+    absent: nothing to check)."""
     from . import _cuda_decode
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("skip cuda decode kernel: no nvcc on PATH")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        run = subprocess.run([nvcc, "-O3", _cuda_decode.arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o",
-                              os.path.join(tmp, "k.cubin"), str(_cuda_decode.SOURCE)], capture_output=True, text=True)
-    if run.returncode != 0:
-        print(f"FAIL cuda decode kernel: {run.stderr[-1500:]}")
-        return 1
+        cubin = os.path.join(tmp, "k.cubin")
+        run = subprocess.run([nvcc, "-O3", _cuda_decode.arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o", cubin,
+                              str(_cuda_decode.SOURCE)], capture_output=True, text=True)
+        if run.returncode != 0:
+            print(f"FAIL cuda decode kernel: {run.stderr[-1500:]}")
+            return 1
+        tool = _cuobjdump()
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout if tool else ""
+    # per function: its SASS text (cuobjdump prints "Function : <name>" before each)
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
     name = None
     for line in run.stderr.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
@@ -87,9 +128,14 @@ def compile_cuda() -> int:
             spills = int(m.group(1))
         m = re.search(r"Used (\d+) registers", line)
         if m and name:
-            t = re.search(r"ILi(\d+)ELi(\d+)ELb(\d)", name)
-            label = f"nt{t.group(1)} d{t.group(2)} {'grouped' if t.group(3) == '1' else 'dense'}" if t else name
-            print(f"{'ok  ' if spills == 0 else 'SPIL'} cuda decode {label:22s} regs {m.group(1)} spill bytes {spills}")
+            t = re.search(r"ILi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELb(\d)", name)
+            label = (f"nt{t.group(1)} d{t.group(2)} {'grouped' if t.group(3) == '1' else 'dense'}"
+                     f"{' rows' if t.group(4) == '1' else ''}{' frag' if t.group(5) == '1' else ''}") if t else name
+            loop = main_loop(bodies.get(name, ""), 8 * int(t.group(1))) if t else None
+            per_step = "" if loop is None else f"  main loop {loop[0]:.1f} instr / K step (" + ", ".join(
+                f"{k} {v:g}" for k, v in list(loop[1].items())[:6]) + ")"
+            print(f"{'ok  ' if spills == 0 else 'SPIL'} cuda decode {label:27s} regs {m.group(1)} spill bytes "
+                  f"{spills}{per_step}")
             name = None
     return 0
 

@@ -45,6 +45,27 @@ def test_fragment_order_gives_the_lanes_the_same_fragments(row0, step):
         fragment_order(w.codes[:40])
 
 
+def test_sm90_compile_finds_the_main_loop_in_sass():
+    """The instruction count per K step that ``sm90_compile`` prints comes from the smallest loop that issues
+    HMMA (not an outer loop around it, nor a loop without tensor work), divided by its K steps."""
+    from minite.kernels.sm90_compile import main_loop
+    sass = """
+        /*0100*/                   LDS.U16 R1, [R2] ;
+        /*0110*/              @!P0 LOP3.LUT R3, R1, 0x7, RZ, 0xc0, !PT ;
+        /*0120*/                   BRA 0x100 ;
+        /*0130*/                   IMAD.SHL.U32 R4, R3, 0x2, RZ ;
+        /*0140*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0150*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0160*/                   PRMT R5, R4, 0x5410, R3 ;
+        /*0170*/               @P1 BRA 0x130 ;
+        /*0180*/                   ISETP.GE.AND P0, PT, R1, R2, PT ;
+        /*0190*/                   BRA 0x100 ;
+    """
+    per_step, ops = main_loop(sass, hmma_per_step=1)
+    assert per_step == 2.5 and ops == {"HMMA": 1.0, "IMAD": 0.5, "PRMT": 0.5, "BRA": 0.5}
+    assert main_loop(sass.replace("HMMA", "FFMA"), 1) is None
+
+
 @pytest.mark.parametrize("nt,m_end", [(1, 5), (2, 13), (2, 16)])
 def test_token_fragments_are_the_triton_k_order(nt, m_end):
     """The token (B) fragments, written by store_tokens into the segment buffer and read back with the warps'
