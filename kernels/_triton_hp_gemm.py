@@ -11,9 +11,11 @@ from ._triton_round import round_to
 @triton.jit
 def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, swn, swk,
                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                        ROUND_TO_X: tl.constexpr = False):
     """out (or part[split]) tile = x[rows, ks] @ w[cols, ks].T over this split's K range, BK at a time.
-    UPCAST_DOT (interpreter only): fp32 operands; the interpreter's dot multiplies bf16 storage bits."""
+    UPCAST_DOT (interpreter only): fp32 operands; the interpreter's dot multiplies bf16 storage bits.
+    ROUND_TO_X: round to x's dtype, then store in out's (a wider one: the same values, no cast pass after)."""
     pid_m, pid_n = _l2_tile(tl.cdiv(M, BM), N, BN, GROUP_M)
     _, cols, rmask, nmask, rows64, cols64 = _tile_index(pid_m * BM, M, pid_n, N, BM, BN)
     k0 = tl.program_id(1) * k_per_split
@@ -33,7 +35,11 @@ def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, s
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc = acc + tl.load(bias + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out + rows64[:, None] * N + cols64[None, :], round_to(acc, out.dtype.element_ty), mask=omask)
+        if ROUND_TO_X:
+            val = round_to(acc, x.dtype.element_ty).to(out.dtype.element_ty)
+        else:
+            val = round_to(acc, out.dtype.element_ty)
+        tl.store(out + rows64[:, None] * N + cols64[None, :], val, mask=omask)
     else:
         p = part + tl.program_id(1).to(tl.int64) * M * N
         tl.store(p + rows64[:, None] * N + cols64[None, :], acc, mask=omask)

@@ -19,9 +19,17 @@ Why the passes look as they do. A decode step at batch 64 is ~370 launches, most
 ops at 2-4 us each even inside a CUDA graph; these ops are most of them. Element-wise arithmetic can be
 fused without changing a bit (the kernels do the reference's fp32 operations in its order, round where it
 rounds, use IEEE division and the CUDA math library's expf / rsqrtf, and are compiled without FMA
-contraction), but a reduction's order cannot: every mean (RMSNorm's variance) stays torch's own kernel over a
-tensor of the reference's shape and values. So an RMSNorm is three launches instead of eight or nine: one
-pass that writes the (residual-added) input and its squares, torch's mean, one pass for the rest.
+contraction), but a reduction's order cannot: every mean (RMSNorm's variance) stays torch's own kernel over
+the reference's values. So an RMSNorm is three launches instead of eight or nine: one pass that writes the
+(residual-added) input and its squares, torch's mean, one pass for the rest.
+
+Every mean is taken in a call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction sums a
+row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,
+``ReduceConfig.set_block_dimension``); from 16 rows on, the order is a function of the row length alone. On
+an H200 (torch 2.11), a mean over 2048 fp32 squares differed in ~23% of rows between calls of 1-15 rows and
+calls of 16 or more; rows of 128 or fewer did not differ. The trainer's norms see its B x T positions, at
+least 16 in any real batch, so a decode step of fewer than 16 sequences (or a short prefill) must not take
+its mean on its own rows: the zero rows added to reach 16 change no other row.
 
 Paths: ``backend`` as everywhere in minite.kernels (Triton on CUDA, the reference on CPU, the interpreter
 for "triton" on CPU). The Triton path needs the weight and cache dtypes the sampler uses (weight in x's
@@ -34,6 +42,7 @@ import torch
 from . import _backend
 
 MODES = ("hf", "vllm")
+MEAN_MIN_ROWS = 16  # rows of every mean call (module docstring)
 
 
 def _check_mode(mode):
@@ -41,20 +50,39 @@ def _check_mode(mode):
         raise ValueError(f"non-GEMM numerics {mode!r}: expected one of {MODES}")
 
 
+def row_mean(t: torch.Tensor) -> torch.Tensor:
+    """t.mean(-1, keepdim=True), each row's bits those of a call of at least MEAN_MIN_ROWS rows (zero rows
+    added below fewer, then dropped)."""
+    n = t.shape[-1]
+    rows = t.numel() // n if n else 0
+    if rows >= MEAN_MIN_ROWS or rows == 0:
+        return t.mean(-1, keepdim=True)
+    padded = t.new_zeros(MEAN_MIN_ROWS, n)
+    padded[:rows] = t.reshape(rows, n)
+    return padded.mean(-1, keepdim=True)[:rows].reshape(*t.shape[:-1], 1)
+
+
+def _squares_buffer(rows: int, n: int, device) -> torch.Tensor:
+    """[max(rows, MEAN_MIN_ROWS), n] fp32 for a pass to write its first ``rows`` rows of squares into: its mean
+    is one call of at least MEAN_MIN_ROWS rows (the rows past ``rows`` are never read back)."""
+    return torch.empty(max(rows, MEAN_MIN_ROWS), n, device=device, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------- references
 def rms_norm_reference(x, weight, eps, mode, residual=None):
     """"hf": transformers' Qwen3MoeRMSNorm op for op (residual add in x's dtype first); "vllm": the residual
-    sum, normalisation and weight multiply in fp32, one rounding (only the stored residual is rounded)."""
+    sum, normalisation and weight multiply in fp32, one rounding (only the stored residual is rounded). The
+    mean is ``row_mean``'s (as the trainer's calls of >= 16 rows take it)."""
     _check_mode(mode)
     if mode == "hf":
         r = x if residual is None else residual + x
         h = r.to(torch.float32)
-        var = h.pow(2).mean(-1, keepdim=True)
+        var = row_mean(h.pow(2))
         h = h * torch.rsqrt(var + eps)
         y = weight * h.to(r.dtype)
         return y if residual is None else (y, r)
     s = x.to(torch.float32) if residual is None else x.to(torch.float32) + residual.to(torch.float32)
-    var = s.pow(2).mean(-1, keepdim=True)
+    var = row_mean(s.pow(2))
     y = (s * torch.rsqrt(var + eps) * weight.to(torch.float32)).to(x.dtype)
     return y if residual is None else (y, s.to(x.dtype))
 
@@ -146,12 +174,12 @@ def rms_norm(x, weight, eps, mode, residual=None, backend=None):
     # the pass before the mean: the rounded residual sum ("hf") or its fp32 value ("vllm"), and its squares
     summed = None if res2 is None else torch.empty(rows, n, device=x.device,
                                                    dtype=x.dtype if hf else torch.float32)
-    sq = torch.empty(rows, n, device=x.device, dtype=torch.float32)
+    sq = _squares_buffer(rows, n, x.device)
     if rows:
         _launch(_square_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
                 0 if res2 is None else res2.stride(0), summed if summed is not None else sq, sq, n,
                 HAS_RES=res2 is not None, HF=hf, BLOCK=_block(n))
-    var = sq.view(x.shape).mean(-1, keepdim=True)  # torch's reduction, on the reference's shape and values
+    var = sq.mean(-1, keepdim=True)[:rows]  # torch's reduction, on the reference's values (>= 16 rows)
     src = x2 if summed is None else summed
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     new_res = None if residual is None else (summed if hf else torch.empty_like(x))
@@ -178,8 +206,8 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
 
     dev, rows = qkv.device, b * t
-    q_sq = torch.empty(b, t, n_q, d, device=dev, dtype=torch.float32)
-    k_sq = torch.empty(b, t, n_kv, d, device=dev, dtype=torch.float32)
+    q_sq = _squares_buffer(rows * n_q, d, dev)  # [b, t, n_q] rows first, then padding
+    k_sq = _squares_buffer(rows * n_kv, d, dev)
     q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
     k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
     if rows == 0:
@@ -187,7 +215,7 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
     grid = (rows, n_q + n_kv)
     _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, D=d)
-    q_var = q_sq.mean(-1, keepdim=True)  # torch's reductions, on the reference's shapes and values
+    q_var = q_sq.mean(-1, keepdim=True)  # torch's reductions, on the reference's values (>= 16 rows)
     k_var = k_sq.mean(-1, keepdim=True)
     cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
     if cs.stride(-1) != 1 or sn.stride() != cs.stride():

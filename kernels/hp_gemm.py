@@ -1,6 +1,7 @@
 """Batch-invariant BF16 GEMM for the high-precision linears on log-prob paths (router, lm_head).
 
-    invariant_gemm(x, w, bias=None, backend=None, config=None) -> [M, N] = x @ w.T (+ bias), in x's dtype
+    invariant_gemm(x, w, bias=None, backend=None, config=None, out_dtype=None) -> [M, N] = x @ w.T (+ bias),
+        rounded to x's dtype; stored as ``out_dtype`` (float32: the same values, for a log-softmax in fp32)
 
 Row i's bits do not depend on M (or on the run): batch invariance comes from a fixed reduction order, not
 from extra precision. Every config does bf16 x bf16 -> fp32 tensor-core dots over the same K steps (BK = 64,
@@ -57,7 +58,7 @@ def _configs(m: int, n: int) -> tuple[dict, ...]:
     return (BIG_CONFIG, MID_CONFIG)
 
 
-def _launch(x, w, bias, out, cfg: dict, splits: int) -> torch.Tensor:
+def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False) -> torch.Tensor:
     from ._triton_hp_gemm import invariant_mm_kernel, split_k_sum_kernel
     m, k = x.shape
     n = w.shape[0]
@@ -70,7 +71,7 @@ def _launch(x, w, bias, out, cfg: dict, splits: int) -> torch.Tensor:
     grid = (_cdiv(m, bm) * _cdiv(n, bn), splits)
     invariant_mm_kernel[grid](x, w, bias_arg, out, part, m, n, k, k_per, x.stride(0), x.stride(1), w.stride(0),
                               w.stride(1), HAS_BIAS=has_bias, SPLIT_K=splits, BM=bm, BN=bn, BK=BK, GROUP_M=group,
-                              UPCAST_DOT=_backend.interpreter_on(), **cfg)
+                              UPCAST_DOT=_backend.interpreter_on(), ROUND_TO_X=round_to_x, **cfg)
     if splits > 1:
         block = 1024
         split_k_sum_kernel[(_cdiv(m * n, block),)](part, bias_arg, out, m, n, HAS_BIAS=has_bias, SPLIT_K=splits,
@@ -113,19 +114,26 @@ def reference_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
 
 
 def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                   backend: str | None = None, config: dict | None = None) -> torch.Tensor:
+                   backend: str | None = None, config: dict | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """See the module docstring. x [M, K], w [N, K] (any strides), bias [N] or None. The Triton path needs x
-    and w of one dtype, bf16 or fp16; other dtypes take the exact path. ``config``: benchmarking only."""
+    and w of one dtype, bf16 or fp16; other dtypes take the exact path. ``config``: benchmarking only.
+    ``out_dtype``: None (x's) or float32 (x's values, stored wider)."""
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, x's dtype or float32, not {out_dtype}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"expected x [M, K] and w [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}")
     if x.device != w.device or (bias is not None and (bias.shape != (w.shape[0],) or bias.device != w.device)):
         raise ValueError(f"x, w (and bias [{w.shape[0]}]) must share a device")
     if _backend.resolve(backend, x.device) == "torch" or x.dtype != w.dtype \
             or x.dtype not in (torch.bfloat16, torch.float16):
-        return reference_gemm(x, w, bias)
+        return reference_gemm(x, w, bias).to(out_dtype or x.dtype)
     m, n = x.shape[0], w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    splits = split_k(n, x.shape[1])
+    wide = out_dtype not in (None, x.dtype) and splits == 1
+    out = torch.empty(m, n, dtype=out_dtype if wide else x.dtype, device=x.device)
     if out.numel() == 0:
-        return out
+        return out.to(out_dtype or x.dtype)
     cfg = dict(config) if config else pick_config(m, n, x.device, x.dtype)
-    return _launch(x, w, bias, out, cfg, split_k(n, x.shape[1]))
+    y = _launch(x, w, bias, out, cfg, splits, round_to_x=wide)
+    return y if wide or out_dtype is None else y.to(out_dtype)

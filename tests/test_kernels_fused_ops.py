@@ -134,7 +134,58 @@ def test_bad_mode_and_unsupported_dtypes():
     _same(F.rms_norm(x, w32, 1e-6, "hf", backend="triton"), F.rms_norm_reference(x, w32, 1e-6, "hf"))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_mean_is_a_call_of_at_least_16_rows(monkeypatch, backend):
+    """torch's CUDA mean orders a row's sum by the call's row count below 16 rows (module docstring), so the
+    norms of a small decode batch take theirs in a call of >= 16 rows; values unchanged (CPU: row by row)."""
+    want_norm = F.rms_norm(_rand((3, 1, 256), 1), _rand((256,), 2), 1e-6, "hf", backend=backend)
+    want_qk = F.qk_norm_rope(_rand((1, 1, 6 * 32), 3), 4, 1, _rand((32,), 4), _rand((32,), 5), 1e-6,
+                             *_cos_sin(1, 1, 32, "hf", 6), "hf", backend=backend)
+    rows, mean = [], torch.Tensor.mean
+
+    def recording_mean(t, *args, **kwargs):
+        rows.append(t.numel() // t.shape[-1])
+        return mean(t, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "mean", recording_mean)
+    for mode in MODES:
+        got = F.rms_norm(_rand((3, 1, 256), 1), _rand((256,), 2), 1e-6, mode, residual=_rand((3, 1, 256), 7),
+                         backend=backend)
+        assert got[0].shape == got[1].shape == (3, 1, 256)
+    got_norm = F.rms_norm(_rand((3, 1, 256), 1), _rand((256,), 2), 1e-6, "hf", backend=backend)
+    got_qk = F.qk_norm_rope(_rand((1, 1, 6 * 32), 3), 4, 1, _rand((32,), 4), _rand((32,), 5), 1e-6,
+                            *_cos_sin(1, 1, 32, "hf", 6), "hf", backend=backend)
+    assert len(rows) == 5 and min(rows) >= 16, rows
+    _same(got_norm, want_norm)
+    for g, w in zip(got_qk, want_qk, strict=True):
+        _same(g, w)
+
+
 # ------------------------------------------------------------------------------------------- on the GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_norm_rows_do_not_depend_on_the_batch(mode):
+    """A decode batch of 1-15 rows normalises each row as a 64-row call (the trainer's) does, and in "hf" as
+    transformers' module over those 64 rows. torch's own mean fails this at 2048 wide (the first check)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    x, res, w = _rand((64, 1, 2048), 0, "cuda"), _rand((64, 1, 2048), 1, "cuda", spread=4.0), _rand((2048,), 2, "cuda")
+    sq = x.float().pow(2)
+    assert any(not torch.equal(sq[:n].mean(-1), sq.mean(-1)[:n]) for n in (1, 3, 8, 15))  # why padding
+    norm = Qwen3MoeRMSNorm(2048, eps=1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    full, full_res = F.rms_norm(x, w, 1e-6, mode), F.rms_norm(x, w, 1e-6, mode, residual=res)
+    if mode == "hf":
+        _same(full, norm(x).detach())
+    for n in (1, 3, 8, 15):
+        for backend in ("triton", "torch"):
+            _same(F.rms_norm(x[:n], w, 1e-6, mode, backend=backend), full[:n])
+            got = F.rms_norm(x[:n], w, 1e-6, mode, residual=res[:n], backend=backend)
+            _same(got[0], full_res[0][:n])
+            _same(got[1], full_res[1][:n])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", MODES)

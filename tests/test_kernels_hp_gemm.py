@@ -60,6 +60,20 @@ def test_strided_and_fp16_inputs_and_fallbacks():
     assert invariant_gemm(x[:0], w, backend="triton").shape == (0, 50)
 
 
+@pytest.mark.parametrize("n,k", [(70, 200), (128, 2048)])  # the wide store; and split K (a cast after)
+def test_float32_out_holds_the_rounded_values(n, k):
+    x, w = _xw(9, n, k, seed=8)
+    want = invariant_gemm(x, w, backend="triton").float()
+    got = invariant_gemm(x, w, backend="triton", out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(invariant_gemm(x, w, out_dtype=torch.float32), reference_gemm(x, w).float())
+    with torch.no_grad():
+        assert torch.equal(hp_linear(x, w, True, out_dtype=torch.float32), want)
+    assert torch.equal(hp_linear(x, w, False, out_dtype=torch.float32), torch.nn.functional.linear(x, w).float())
+    with pytest.raises(ValueError, match="out_dtype"):
+        invariant_gemm(x, w, out_dtype=torch.float16)
+
+
 def test_hp_linear_uses_it_on_log_prob_paths_only():
     x, w = _xw(6, 24, 32, seed=6)
     x3 = x.reshape(2, 3, 32)
@@ -113,6 +127,8 @@ def test_gpu_batch_invariance_every_m_bucket(n, k):
         for lo in (0, 4096 - m):
             assert torch.equal(invariant_gemm(x[lo:lo + m], w), full[lo:lo + m]), (m, lo)
     _close(full[:64], reference_gemm(x[:64], w))
+    for m in (1, 64):  # the sampler's fp32 logits: the same values, stored wider
+        assert torch.equal(invariant_gemm(x[:m], w, out_dtype=torch.float32), full[:m].float())
     print(hp_gemm.config_status())
 
 

@@ -247,6 +247,29 @@ def test_gpu_aligned_trainer_equals_sampler_graphs():
 
 
 @pytest.mark.gpu
+def test_gpu_aligned_trainer_equals_sampler_small_batches_of_a_wide_model():
+    """The ``small`` model (1024 wide) at batches of 8 and 2 rows: every norm of the sampler's step has fewer
+    than 16 rows, the trainer's have B x T; their means must still sum each row in one order."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
+
+    from minite.engines.sync import sync_weights
+    from minite.engines.trainer import Trainer
+
+    cfg = load_model_config("small")
+    arm = load_arm("minite_nvfp4")
+    tr = Trainer(arm, cfg, device="cuda", seed=0)
+    if tr.model.model.rotary_emb.inv_freq.dtype != torch.float32:
+        tr.model.model.rotary_emb = Qwen3MoeRotaryEmbedding(tr.model.config).to("cuda")
+    s = Sampler(arm, cfg, device="cuda", max_seq_len=32)
+    sync_weights(tr, s)
+    for prompts in (SIX, SIX[:2]):
+        out = s.generate(prompts, 12, generator=torch.Generator(device="cuda").manual_seed(3), stop_token=None)
+        assert s._runner.graphs and s._runner.size < 16
+        m = out.response_mask.bool()[:, 1:]
+        assert torch.equal(tr.logprobs(out.tokens)[m], out.logprobs[:, 1:][m])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arm_name", ARMS)
 def test_gpu_resync_keeps_graphs(arm_name):
     """A re-sync copies the new weights into the tensors the captured graphs read: the same graphs, and

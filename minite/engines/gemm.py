@@ -66,8 +66,8 @@ def nvfp4_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, act: QuantSpec, gemm: st
     return y.to(x.dtype).reshape(*lead, w.shape[0])
 
 
-def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A high-precision (BF16) linear: router, lm_head, and every linear of a BF16 engine.
 
     ``invariant``: on log-prob paths (no autograd graph being built: the trainer's teacher-forced recompute,
@@ -78,9 +78,12 @@ def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torc
     this function, so trainer and sampler rows stay bitwise equal on a device; the GPU numerics of the
     aligned arm's router / lm_head are therefore fixed-order fp32 (they were float64-accumulated before).
     With autograd on (the learner update) it stays a cuBLAS BF16 GEMM: that path only feeds gradients.
+    ``out_dtype`` float32: the same x-dtype values, stored wider (the invariant GEMM writes them so, with no
+    cast pass after it: the sampler's logits before their fp32 log-softmax).
     """
     if invariant and not torch.is_grad_enabled():
         lead, k = x.shape[:-1], x.shape[-1]
-        y = kernels.invariant_gemm(x.reshape(-1, k), weight, bias)
+        y = kernels.invariant_gemm(x.reshape(-1, k), weight, bias, out_dtype=out_dtype)
         return y.reshape(*lead, weight.shape[0])
-    return torch.nn.functional.linear(x, weight, bias)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)

@@ -232,13 +232,14 @@ class Sampler:
                 cap("residual", h + pending if mode == "hf" else (h.float() + pending.float()).to(h.dtype))
         return h, pending
 
-    def _logits(self, h, pending, rows=None, calib=None, valid=None):
-        """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden."""
+    def _logits(self, h, pending, rows=None, calib=None, valid=None, out_dtype=None):
+        """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden.
+        ``out_dtype`` float32: the model-dtype logits' values, stored wider (for the fp32 log-softmax)."""
         hs, ps = h.reshape(-1, self.hidden), pending.reshape(-1, self.hidden)
         if rows is not None:
             hs, ps = hs[rows], ps[rows]
         x, _ = ops.add_rms_norm(ps, hs, self.weights.norm, self.eps, self.recipe.non_gemm)
-        return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid)
+        return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid, out_dtype=out_dtype)
 
     def _prefill(self, ids, lens, slots, capture=None):
         """Prompts ids [B, P] (PAD after each prompt's lens) into cache slots [B] -> the logits [B, V] at each
@@ -269,9 +270,9 @@ class Sampler:
         at = pos[:, None]
         decode = (slots.to(torch.int32), (pos + 1).to(torch.int32))
         h, pend = self._layers(ids[:, None], at, slots, decode, capture)
-        logits = self._logits(h, pend)
+        logits = self._logits(h, pend, out_dtype=torch.float32)  # _emit's fp32 input without a cast pass
         if capture is not None:
-            capture(-1, "logits", at, logits[:, None])
+            capture(-1, "logits", at, logits.to(h.dtype)[:, None])
         nxt = (pos + 1).clamp_max(self.max_seq_len - 1)
         tok = self._emit(logits, slots, nxt, mode)
         ids.copy_(tok)

@@ -97,13 +97,18 @@ def _scale(host: float | None, amax, recipe: EngineRecipe, name: str):
 
 
 def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | None = None,
-           valid: torch.Tensor | None = None) -> torch.Tensor:
+           valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x W^T. BF16 weights: a plain BF16 matmul. NVFP4: ``nvfp4_linear`` per the recipe (the emulated
     path multiplies by the weight's cached BF16 dequantization, the same values). During calibration the
     activation is left unquantized (ModelOpt calibrates with input quantizers collecting, not quantizing):
-    x @ dequantize(W)^T in BF16."""
+    x @ dequantize(W)^T in BF16. ``out_dtype`` (float32): the BF16 result's values, stored wider."""
     if not lin.quantized:
-        return hp_linear(x, lin.weight, recipe.hp_gemm == "invariant")
+        return hp_linear(x, lin.weight, recipe.hp_gemm == "invariant", out_dtype=out_dtype)
+    y = _quantized_linear(x, lin, recipe, calib, valid)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def _quantized_linear(x, lin, recipe, calib, valid):
     if calib is not None:
         calib.record(lin.name, x.reshape(-1, x.shape[-1]), valid)
         return F.linear(x, nvfp4.dequantize(lin.q).to(x.dtype))
