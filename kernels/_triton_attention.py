@@ -50,14 +50,16 @@ def _stage_rows_f64(src_rows, row_mask, dst, D: tl.constexpr):
 
 
 @triton.jit
-def _scores_f64(q64, k_base, sk_n, keys, key_mask, R: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """s[r, n] = sum_d q[r, d] k[keys[n], d] in float64; q64 [R, D] float64 in scratch."""
+def _scores_f64(q64, k_base, sk_n, keys, key_mask, R: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                STAGES: tl.constexpr):
+    """s[r, n] = sum_d q[r, d] k[keys[n], d] in float64; q64 [R, D] float64 in scratch. STAGES: software
+    pipelining of the d loop (the next chunks' K loads in flight while one multiplies)."""
     q3 = q64 + tl.arange(0, R)[:, None, None] * D
     dq = tl.arange(0, BD)[None, :, None]
     k3 = k_base + keys[None, None, :].to(tl.int64) * sk_n
     km = key_mask[None, None, :]
     s = tl.zeros([R, keys.shape[0]], tl.float64)
-    for d0 in range(0, D, BD):
+    for d0 in tl.range(0, D, BD, num_stages=STAGES):
         qc = tl.load(q3 + d0 + dq)
         kc = tl.load(k3 + d0 + dq, mask=km, other=0.0).to(tl.float64)
         s += tl.sum(qc * kc, axis=1)
@@ -94,7 +96,7 @@ def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr):
 def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                       n_q_heads, rep, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
                       scale_bits, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                      DIRECT: tl.constexpr):
+                      DIRECT: tl.constexpr, QK_STAGES: tl.constexpr):
     """One (sequence, KV head, split): the KV head's ``rep`` query heads against keys [lo, hi) of the split.
     Grid (B, Hkv, splits); DIRECT (one split): write the output itself, else a partial for merge_splits."""
     b = tl.program_id(0)
@@ -116,7 +118,7 @@ def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml
     for start in range(lo, hi, BN):
         keys = start + tl.arange(0, BN)
         kmask = keys < hi
-        s = _scores_f64(q64, k_base, sk_seq, keys, kmask, BH, D, BD)
+        s = _scores_f64(q64, k_base, sk_seq, keys, kmask, BH, D, BD, QK_STAGES)
         s = tl.where(kmask[None, :], s * scale, float("-inf"))
         p, alpha, m, denom = _softmax_step_f64(s, m, denom)
         acc = _add_pv_f64(acc * alpha[:, None], p, q64 + BH * D, v_base, sv_seq, start,
@@ -210,7 +212,7 @@ def prefill_f64_kernel(q, k, v, keep, scratch, out, n_q_heads, rep, tq, tk, n_ti
                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                        skeep_b, skeep_h, skeep_q, skeep_k, so_b, so_t, so_h, scale_bits,
                        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                       CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr):
+                       CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr, QK_STAGES: tl.constexpr):
     """Full-sequence float64 attention, persistent: each program walks tiles (b, head, BM query rows) with
     stride num_programs, heaviest (last) row blocks first; its scratch slot is reused tile after tile.
     Query row i sits at key position tk - tq + i (causal: it attends keys 0 .. tk - tq + i)."""
@@ -237,7 +239,7 @@ def prefill_f64_kernel(q, k, v, keep, scratch, out, n_q_heads, rep, tq, tk, n_ti
         for start in range(0, hi, BN):
             keys = start + tl.arange(0, BN)
             kmask = keys < hi
-            s = _scores_f64(q64, k_base, sk_t, keys, kmask, BM, D, BD)
+            s = _scores_f64(q64, k_base, sk_t, keys, kmask, BM, D, BD, QK_STAGES)
             ok = kmask[None, :] & rmask[:, None]
             if CAUSAL:
                 ok = ok & (keys[None, :] <= (tk - tq + rows)[:, None])
