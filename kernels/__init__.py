@@ -35,6 +35,8 @@ exact pure PyTorch on CPU.
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
         inverse-CDF sampling, one draw per row, CUDA-graph safe; three Triton passes without top_p.
+    record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens, ...)
+        the decode step's token / log-prob / stop bookkeeping in one launch.
     fused_ops: the decode step's non-GEMM ops (RMSNorm with its residual add, q/k norm + rotary + KV-cache
         write, SiLU * up, the expert sort and the experts' weighted sum), each bitwise its op-by-op reference.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
@@ -47,11 +49,11 @@ from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nv
 from .quantize import dequantize, quantize, quantize_dequantize, quantize_weight_groups
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
-from .sampling import sample_tokens
+from .sampling import record_tokens, sample_tokens
 from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_weight_groups", "dequantize", "nvfp4_gemm",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
-           "sample_tokens", "fused_ops"]
+           "sample_tokens", "record_tokens", "fused_ops"]

@@ -46,9 +46,10 @@ def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, s
 
 
 @triton.jit
-def split_k_sum_kernel(part, bias, out, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """out = part[0] + part[1] + ... (in this order, fp32) + bias, rounded once."""
+def split_k_sum_kernel(part, bias, out, x, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK: tl.constexpr, ROUND_TO_X: tl.constexpr = False):
+    """out = part[0] + part[1] + ... (in this order, fp32) + bias, rounded once (ROUND_TO_X: to x's dtype,
+    stored in out's; x is read for its dtype only)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(part + offs, mask=mask, other=0.0)
@@ -56,4 +57,8 @@ def split_k_sum_kernel(part, bias, out, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: t
         acc += tl.load(part + s * M * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + offs, round_to(acc, out.dtype.element_ty), mask=mask)
+    if ROUND_TO_X:
+        val = round_to(acc, x.dtype.element_ty).to(out.dtype.element_ty)
+    else:
+        val = round_to(acc, out.dtype.element_ty)
+    tl.store(out + offs, val, mask=mask)

@@ -78,3 +78,22 @@ def _pick_kernel(logits, stride, temp, block_max, block_sum, uniform, out, V, NB
     last_nz = tl.max(tl.where(e > 0, lane, -1), axis=0)
     idx = tl.where(found & (first < BLOCK), first, last_nz)
     tl.store(out + r, (start + idx).to(tl.int64))
+
+
+@triton.jit
+def _record_kernel(tok, logp, lp_stride, slots, nxt, end, tokens, logprobs, tab_stride, stopped, stop, ids, pos,
+                   trash, WRITE_TOKENS: tl.constexpr, ADVANCE: tl.constexpr):
+    """Row program_id(0) of ``sampling.record_tokens``: integer moves and one fp32 copy, nothing rounded."""
+    i = tl.program_id(0)
+    t = tl.load(tok + i)
+    n = tl.load(nxt + i)
+    slot = tl.load(slots + i)
+    col = tl.where(n < tl.load(end + slot), n, trash)
+    cell = slot * tab_stride + col
+    if WRITE_TOKENS:
+        tl.store(tokens + cell, t)
+    tl.store(logprobs + cell, tl.load(logp + i.to(tl.int64) * lp_stride + t))
+    tl.store(stopped + slot, tl.load(stopped + slot) | (t == tl.load(stop)))
+    if ADVANCE:
+        tl.store(ids + i, t)
+        tl.store(pos + i, n)

@@ -74,8 +74,8 @@ def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False) -
                               UPCAST_DOT=_backend.interpreter_on(), ROUND_TO_X=round_to_x, **cfg)
     if splits > 1:
         block = 1024
-        split_k_sum_kernel[(_cdiv(m * n, block),)](part, bias_arg, out, m, n, HAS_BIAS=has_bias, SPLIT_K=splits,
-                                                    BLOCK=block, num_warps=4)
+        split_k_sum_kernel[(_cdiv(m * n, block),)](part, bias_arg, out, x, m, n, HAS_BIAS=has_bias, SPLIT_K=splits,
+                                                    BLOCK=block, ROUND_TO_X=round_to_x, num_warps=4)
     return out
 
 
@@ -129,11 +129,9 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
             or x.dtype not in (torch.bfloat16, torch.float16):
         return reference_gemm(x, w, bias).to(out_dtype or x.dtype)
     m, n = x.shape[0], w.shape[0]
-    splits = split_k(n, x.shape[1])
-    wide = out_dtype not in (None, x.dtype) and splits == 1
+    wide = out_dtype not in (None, x.dtype)
     out = torch.empty(m, n, dtype=out_dtype if wide else x.dtype, device=x.device)
     if out.numel() == 0:
-        return out.to(out_dtype or x.dtype)
+        return out
     cfg = dict(config) if config else pick_config(m, n, x.device, x.dtype)
-    y = _launch(x, w, bias, out, cfg, splits, round_to_x=wide)
-    return y if wide or out_dtype is None else y.to(out_dtype)
+    return _launch(x, w, bias, out, cfg, split_k(n, x.shape[1]), round_to_x=wide)

@@ -20,6 +20,15 @@ each), so their cumulative values can differ from the reference's in the last bi
 within that rounding of a boundary the two may pick neighbouring tokens.
 Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
 kernel token against a float64 CDF.
+
+    record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens,
+                  advance=None, backend=None)
+        The decode step's bookkeeping for rows i < B, in one launch on CUDA (about ten small PyTorch ops,
+        which ``record_tokens_reference`` runs): col = nxt[i] if nxt[i] < end[slots[i]] else ``trash``;
+        tokens[slots[i], col] = tok[i] (``write_tokens``); logprobs[slots[i], col] = logp[i, tok[i]] (logp:
+        the [B, V] log-softmax); stopped[slots[i]] |= tok[i] == stop; ``advance`` = (ids, pos): ids[i] =
+        tok[i], pos[i] = nxt[i]. Copies and integer tests only, so both paths write the same values. Rows
+        sharing a slot (padding rows on the dummy slot) write it in an unspecified order, as index_put does.
 """
 from __future__ import annotations
 
@@ -76,3 +85,36 @@ def _triton_sample(logits, temperature, uniform):
         _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, u, out, v, nb, BLOCK=BLOCK, NB_P2=nb_p2,
                            num_warps=8)
     return out
+
+
+def record_tokens_reference(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens,
+                            advance=None):
+    col = torch.where(nxt < end[slots], nxt, trash)
+    if write_tokens:
+        tokens[slots, col] = tok
+    logprobs[slots, col] = logp.gather(-1, tok[:, None]).squeeze(-1)
+    stopped[slots] = stopped[slots] | (tok == stop)
+    if advance is not None:
+        advance[0].copy_(tok)
+        advance[1].copy_(nxt)
+
+
+def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash: int, write_tokens: bool,
+                  advance=None, backend: str | None = None) -> None:
+    """See the module docstring."""
+    b = tok.shape[0]
+    ints = [tok, slots, nxt, end, tokens, stop] + list(advance or ())
+    ok = (_backend.resolve(backend, tok.device) == "triton" and logp.dim() == 2 and logp.shape[0] == b
+          and logp.stride(-1) == 1 and logp.dtype == logprobs.dtype == torch.float32 and tokens.is_contiguous()
+          and logprobs.is_contiguous() and tokens.stride(0) == logprobs.stride(0) and stopped.dtype == torch.bool
+          and all(t.dtype == torch.int64 for t in ints) and all(t.is_contiguous() for t in ints))
+    if not ok:
+        return record_tokens_reference(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash,
+                                       write_tokens, advance)
+    from ._triton_sampling import _record_kernel
+
+    if b:
+        ids, pos = advance if advance is not None else (tok, nxt)
+        _record_kernel[(b,)](tok, logp, logp.stride(0), slots, nxt, end, tokens, logprobs, tokens.stride(0),
+                             stopped, stop, ids, pos, trash, WRITE_TOKENS=bool(write_tokens),
+                             ADVANCE=advance is not None, num_warps=1)

@@ -55,7 +55,7 @@ def kernels():
         for splits in (1, 8):
             yield (f"invariant_mm {name} split_k={splits}", th.invariant_mm_kernel, mm,
                    dict(cfg, HAS_BIAS=False, SPLIT_K=splits, BK=G.BK, UPCAST_DOT=False, sxk=1, swk=1), nw, ns)
-    yield "split_k_sum", th.split_k_sum_kernel, mm, dict(HAS_BIAS=True, SPLIT_K=8, BLOCK=1024), 4, 1
+    yield "split_k_sum", th.split_k_sum_kernel, mm, dict(HAS_BIAS=True, SPLIT_K=8, BLOCK=1024, ROUND_TO_X=False), 4, 1
 
 
 def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:

@@ -86,3 +86,43 @@ def test_gpu_kernel_draws_valid_tokens_on_a_real_vocabulary_and_replays_in_a_gra
     u.copy_(torch.rand(64, device="cuda"))
     graph.replay()
     assert torch.equal(out, S.sample_tokens(logits, t, u))
+
+
+def _state(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    slots_n, width, b, v = 9, 12, 6, 50
+    st = dict(end=torch.randint(4, width, (slots_n,), generator=g),
+              tokens=torch.randint(0, v, (slots_n, width + 1), generator=g),
+              logprobs=torch.randn(slots_n, width + 1, generator=g),
+              stopped=torch.rand(slots_n, generator=g) < 0.3, stop=torch.tensor(7))
+    step = dict(tok=torch.randint(0, v, (b,), generator=g), logp=torch.randn(b, v, generator=g).log_softmax(-1),
+                slots=torch.randperm(slots_n - 1, generator=g)[:b], nxt=torch.randint(0, width, (b,), generator=g))
+    step["tok"][:2] = 7  # two rows draw the stop token
+    ids, pos = torch.full((b + 2,), -1), torch.full((b + 2,), -1)
+    move = lambda d: {k: t.to(device) for k, t in d.items()}  # noqa: E731
+    return move(st), move(step), ids.to(device), pos.to(device), width
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("write_tokens", [True, False])
+@pytest.mark.parametrize("advance", [True, False])
+def test_record_tokens_kernel_equals_the_reference(device, write_tokens, advance):
+    """Positions past a slot's end go to the trash column; only the rows' own cells, stop flags and (advance)
+    ids / pos change, and the kernel writes what the PyTorch ops write."""
+    outs = []
+    for backend in ("torch", "triton"):
+        st, step, ids, pos, trash = _state(device, 3)
+        b = step["tok"].shape[0]
+        S.record_tokens(step["tok"], step["logp"], step["slots"], step["nxt"], st["end"], st["tokens"],
+                        st["logprobs"], st["stopped"], st["stop"], trash, write_tokens,
+                        (ids[:b], pos[:b]) if advance else None, backend=backend)
+        outs.append((st["tokens"], st["logprobs"], st["stopped"], ids, pos))
+    for a, b_ in zip(*outs, strict=True):
+        assert torch.equal(a, b_)
+    st0, step, ids0, pos0, trash = _state(device, 3)
+    tokens, logprobs, stopped, ids, pos = outs[1]
+    changed = (logprobs != st0["logprobs"]).nonzero().tolist()
+    assert changed and all(r in step["slots"].tolist() for r, _ in changed)
+    assert stopped[step["slots"][:2]].all() and (tokens != st0["tokens"]).any() == write_tokens
+    assert torch.equal(ids[:6], step["tok"] if advance else ids0[:6]) and (ids[6:] == -1).all()
+    assert torch.equal(pos[:6], step["nxt"] if advance else pos0[:6])

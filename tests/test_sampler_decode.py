@@ -164,6 +164,31 @@ def test_weights_update_in_place(tiny):
     assert not w.copy_(bf16)  # another layout: refused, nothing copied
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("model", ["tiny", "qwen3_30b_a3b"])
+def test_rotary_table_rows_are_transformers_values(device, model):
+    """The "hf" sampler gathers its cos / sin rows from tables transformers' module made once; every row
+    equals the module's own output for those positions in a batch of any shape."""
+    from minite.engines.sampler import hf_config_of
+
+    rot = ops.Rotary(hf_config_of(load_model_config(model, 1)), "hf", 300, device)
+    g = torch.Generator().manual_seed(0)
+    for shape in ((64, 1), (3, 17), (1, 300)):
+        pos = torch.randint(0, 300, shape, generator=g).to(device)
+        for dtype in (torch.bfloat16, torch.float32):
+            got = rot.tables(pos, dtype)
+            want = rot.hf(torch.empty(0, dtype=dtype, device=device), pos)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_route_keeps_the_activation_dtype_for_fp32_logits():
+    logits = torch.randn(5, 16).to(torch.bfloat16)
+    w, idx = ops.route(logits, 4, True, "hf")
+    w32, idx32 = ops.route(logits.float(), 4, True, "hf", dtype=torch.bfloat16)
+    assert w.dtype == w32.dtype == torch.bfloat16 and torch.equal(w, w32) and torch.equal(idx, idx32)
+
+
 def test_sample_tokens_inverse_cdf():
     logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")], [2.0, 1.0, 0.0, -1.0]])
     probs = torch.softmax(logits, -1)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from minite import kernels
+
 #: captured batch sizes up to 64; beyond it, every 32 (and max_batch itself)
 SMALL_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 #: sampling modes a graph is captured for (what the step does after the logits)
@@ -72,15 +74,15 @@ class DecodeState:
         self.end[:n].fill_(self.max_seq_len if end is None else end)
         self.stopped[:n].zero_()
 
-    def emit(self, tok: torch.Tensor, lp: torch.Tensor, slots: torch.Tensor, nxt: torch.Tensor,
-             write_tokens: bool) -> None:
+    def emit(self, tok: torch.Tensor, logp: torch.Tensor, slots: torch.Tensor, nxt: torch.Tensor,
+             write_tokens: bool, advance: bool = False) -> None:
         """Record the token at position ``nxt`` of each row's slot (positions at or past the slot's end go to
-        the trash column) and whether it is the stop token."""
-        col = torch.where(nxt < self.end[slots], nxt, self.trash)
-        if write_tokens:
-            self.tokens[slots, col] = tok
-        self.logprobs[slots, col] = lp
-        self.stopped[slots] = self.stopped[slots] | (tok == self.stop)
+        the trash column), its log-prob (``logp``: the rows' [B, V] log-softmax) and whether it is the stop
+        token; ``advance``: then feed it (ids[:B] = tok, pos[:B] = nxt). One launch on CUDA
+        (``minite.kernels.record_tokens``)."""
+        b = tok.shape[0]
+        kernels.record_tokens(tok, logp, slots, nxt, self.end, self.tokens, self.logprobs, self.stopped, self.stop,
+                              self.trash, write_tokens, (self.ids[:b], self.pos[:b]) if advance else None)
 
 
 class DecodeRunner:

@@ -200,10 +200,10 @@ class Sampler:
             gate, up = ops.linear(x2, lw.gate_up, self.recipe, calib, valid).chunk(2, dim=-1)
             return ops.linear(ops.silu_mul(gate, up, self.recipe.non_gemm), lw.down, self.recipe, calib,
                               valid).reshape(b, t, h)
-        logits = ops.linear(x2, lw.router, self.recipe, calib, valid)
+        logits = ops.linear(x2, lw.router, self.recipe, calib, valid, out_dtype=torch.float32)  # softmax's input
         weights, idx = ops.route(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob,
-                                 self.recipe.non_gemm)
-        cap("router_logits", logits.reshape(b, t, -1))
+                                 self.recipe.non_gemm, dtype=x.dtype)
+        cap("router_logits", logits.to(x.dtype).reshape(b, t, -1))
         cap("topk", idx.reshape(b, t, -1))
         return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid).reshape(b, t, h)
 
@@ -247,9 +247,10 @@ class Sampler:
         h, pend = self._layers(ids, self._prefill_positions(ids), slots, capture=capture)
         return self._logits(h, pend, torch.arange(ids.shape[0], device=self.device) * ids.shape[1] + lens - 1)
 
-    def _emit(self, logits, slots, nxt, mode):
+    def _emit(self, logits, slots, nxt, mode, advance=False):
         """The token at position ``nxt`` of each row (drawn, or teacher-forced in mode "score") and its
-        temperature-1 log-prob, recorded in the decode state's tables."""
+        temperature-1 log-prob, recorded in the decode state's tables (``advance``: and fed as the rows' next
+        input: ids = token, pos = nxt)."""
         st = self._state
         lf = logits.float()
         if mode == "score":
@@ -258,8 +259,7 @@ class Sampler:
             tok = lf.argmax(dim=-1)
         else:
             tok = ops.sample_tokens(lf, st.temperature, st.top_p if mode == "top_p" else None, st.uniform[slots, nxt])
-        lp = torch.log_softmax(lf, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
-        st.emit(tok, lp, slots, nxt, write_tokens=mode != "score")
+        st.emit(tok, torch.log_softmax(lf, dim=-1), slots, nxt, write_tokens=mode != "score", advance=advance)
         return tok
 
     def _decode_step(self, b: int, mode: str, capture=None) -> None:
@@ -274,9 +274,7 @@ class Sampler:
         if capture is not None:
             capture(-1, "logits", at, logits.to(h.dtype)[:, None])
         nxt = (pos + 1).clamp_max(self.max_seq_len - 1)
-        tok = self._emit(logits, slots, nxt, mode)
-        ids.copy_(tok)
-        pos.copy_(nxt)
+        self._emit(logits, slots, nxt, mode, advance=True)  # ids[:b] = the token, pos[:b] = nxt
 
     def _mark(self, label: str) -> None:
         if self.on_step is not None:

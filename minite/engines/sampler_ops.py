@@ -59,7 +59,13 @@ class Rotary:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
         self.mode = mode
+        self.max_positions = int(max_positions)
         self.hf = Qwen3MoeRotaryEmbedding(hf_config).to(device)  # inv_freq per the config's rope type/theta
+        self._hf_tables: dict[torch.dtype, torch.Tensor] = {}
+        # a dynamic rope rescales by the longest position in the call: tables only where it never does
+        self._tabled = mode == "hf" and getattr(self.hf, "rope_type", "default") not in ("dynamic", "longrope")
+        if self._tabled:
+            self.hf_table(torch.bfloat16)  # the sampler's activations: made here, never inside a graph capture
         if mode == "vllm":  # fp32 cos/sin cache, as vLLM's rotary kernel reads it
             pos = torch.arange(max_positions, dtype=torch.float32, device=device)
             freqs = pos[:, None] * self.hf.inv_freq.to(device=device, dtype=torch.float32)[None, :]
@@ -68,11 +74,28 @@ class Rotary:
             self.sin = emb.sin() * self.hf.attention_scaling
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """(cos, sin) for positions [B, T]: made once per forward, shared by every layer. "hf": transformers'
-        own computation, [B, T, D] in ``dtype`` (q's); "vllm": rows of the fp32 cache, [B, 1, T, D]."""
+        """(cos, sin) for positions [B, T]: made once per forward, shared by every layer. "hf": rows of
+        transformers' own tables, [B, T, D] in ``dtype`` (q's); "vllm": rows of the fp32 cache, [B, 1, T, D]."""
+        if self._tabled:
+            both = self.hf_table(dtype)[positions]            # one gather for both: [B, T, 2, D]
+            return both[..., 0, :], both[..., 1, :]
         if self.mode == "hf":
             return self.hf(torch.empty(0, dtype=dtype, device=positions.device), positions)
         return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def hf_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """[max_positions, 2, D]: transformers' cos and sin of every position, by its own module, once per
+        dtype. A position's row does not depend on which positions share the call (an inv_freq x position
+        product, elementwise cos / sin and scaling: no reduction), so the rows are the bits transformers
+        computes for that position in any batch, without its ~8 launches per decode step."""
+        if dtype not in self._hf_tables:
+            dev = self.hf.inv_freq.device
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"rotary table for {dtype} first asked for inside a CUDA graph capture")
+            pos = torch.arange(self.max_positions, device=dev)[None]
+            cos, sin = self.hf(torch.empty(0, dtype=dtype, device=dev), pos)
+            self._hf_tables[dtype] = torch.stack((cos[0], sin[0]), dim=1)
+        return self._hf_tables[dtype]
 
 
 # ------------------------------------------------------------------------------------------------ linears
@@ -188,13 +211,14 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
     return out
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str):
-    """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k])."""
+def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str, dtype: torch.dtype | None = None):
+    """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]). ``dtype``: the activations'
+    (default the logits'); fp32 logits holding model-dtype values give the softmax its input without a cast."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk:
         top = top / top.sum(dim=-1, keepdim=True)
-    return (top.to(logits.dtype) if mode == "hf" else top), idx
+    return (top.to(dtype or logits.dtype) if mode == "hf" else top), idx
 
 
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
