@@ -105,19 +105,9 @@ def test_rows_leaving_the_batch_change_no_sequence(tiny):
 def test_aligned_trainer_equals_sampler_with_rows_leaving():
     """miniTE: trainer log-probs == sampler log-probs bit for bit (k3 exactly 0) on rollouts whose batch
     shrank as sequences stopped."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
-
     from minite.diagnostics.metrics import align_trainer_logprobs, mismatch_metrics
-    from minite.engines.sync import sync_weights
-    from minite.engines.trainer import Trainer
 
-    cfg = load_model_config("tiny")
-    arm = load_arm("minite_nvfp4")
-    tr = Trainer(arm, cfg, device="cpu", seed=0)
-    if tr.model.model.rotary_emb.inv_freq.dtype != torch.float32:  # as from_pretrained keeps it
-        tr.model.model.rotary_emb = Qwen3MoeRotaryEmbedding(tr.model.config)
-    s = Sampler(arm, cfg, max_seq_len=32)
-    sync_weights(tr, s)
+    tr, s = _aligned_trainer_and_sampler("tiny", "cpu")
     free = s.generate(SIX, 16, generator=torch.Generator().manual_seed(5), stop_token=None)
     out = s.generate(SIX, 16, generator=torch.Generator().manual_seed(5),
                      stop_token=_stop_token_that_compacts(free, len(SIX)))
@@ -249,20 +239,27 @@ def test_step_does_not_synchronise(arm_name):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.gpu
-def test_gpu_aligned_trainer_equals_sampler_graphs():
+def _aligned_trainer_and_sampler(model: str, device: str):
+    """A miniTE trainer (rotary inverse frequencies in fp32, as from_pretrained keeps them) and a sampler of
+    max_seq_len 32 holding its weights."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
 
     from minite.engines.sync import sync_weights
     from minite.engines.trainer import Trainer
 
-    cfg = load_model_config("tiny")
+    cfg = load_model_config(model)
     arm = load_arm("minite_nvfp4")
-    tr = Trainer(arm, cfg, device="cuda", seed=0)
+    tr = Trainer(arm, cfg, device=device, seed=0)
     if tr.model.model.rotary_emb.inv_freq.dtype != torch.float32:
-        tr.model.model.rotary_emb = Qwen3MoeRotaryEmbedding(tr.model.config).to("cuda")
-    s = Sampler(arm, cfg, device="cuda", max_seq_len=32)
+        tr.model.model.rotary_emb = Qwen3MoeRotaryEmbedding(tr.model.config).to(device)
+    s = Sampler(arm, cfg, device=device, max_seq_len=32)
     sync_weights(tr, s)
+    return tr, s
+
+
+@pytest.mark.gpu
+def test_gpu_aligned_trainer_equals_sampler_graphs():
+    tr, s = _aligned_trainer_and_sampler("tiny", "cuda")
     free = s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5), stop_token=None)
     out = s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5),
                      stop_token=_stop_token_that_compacts(free, len(SIX)))
@@ -277,18 +274,7 @@ def test_gpu_aligned_trainer_equals_sampler_small_batches_of_a_wide_model():
     step has fewer than 16 rows, the trainer's have B x T. (Not a detector of the norms' row count by itself:
     a mean's last bit seldom reaches a BF16 output, and this run passed without the padding; the fused-ops
     tests check that.)"""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
-
-    from minite.engines.sync import sync_weights
-    from minite.engines.trainer import Trainer
-
-    cfg = load_model_config("small")
-    arm = load_arm("minite_nvfp4")
-    tr = Trainer(arm, cfg, device="cuda", seed=0)
-    if tr.model.model.rotary_emb.inv_freq.dtype != torch.float32:
-        tr.model.model.rotary_emb = Qwen3MoeRotaryEmbedding(tr.model.config).to("cuda")
-    s = Sampler(arm, cfg, device="cuda", max_seq_len=32)
-    sync_weights(tr, s)
+    tr, s = _aligned_trainer_and_sampler("small", "cuda")
     for prompts in (SIX, SIX[:2]):
         out = s.generate(prompts, 12, generator=torch.Generator(device="cuda").manual_seed(3), stop_token=None)
         assert s._runner.graphs and s._runner.size < 16
