@@ -31,7 +31,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t frag, int64_t stream);
+                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
@@ -176,7 +176,7 @@ def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0) -
 
 
 def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, shape, offsets=None,
-          strides=(0, 0, 0), frag=False):
+          strides=(0, 0, 0), frag=False, rows=None):
     nt, depth, warps = _check(cfg)
     lanes, seg, rg = shape
     offs, offs64, n_experts = 0, 0, 0
@@ -187,6 +187,7 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
         chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
+        0 if rows is None else rows.data_ptr(), int(rows is not None and rows.dtype == torch.int64),
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
@@ -208,11 +209,13 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0, frag: torch.Tensor | 
                  frag=use)
 
 
-def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -> torch.Tensor:
+def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
     of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all). Reads ``ex.frag``
-    (fragment-order codes) where present and the ring depth has a fragment-order build."""
-    m, k = a.shape
+    (fragment-order codes) where present and the ring depth has a fragment-order build. ``rows`` (int32 /
+    int64 [M], contiguous, on the device): the problem's row i is a's row rows[i], read in place."""
+    m, k = a.shape if rows is None else (rows.numel(), a.shape[1])
     e, n, _ = ex.shape
     if offsets.dtype not in (torch.int32, torch.int64) or e > MAX_EXPERTS:
         raise ValueError(f"CUDA decode GEMM: offsets int32/int64 and at most {MAX_EXPERTS} experts")
@@ -227,4 +230,4 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0) -
     codes = ex.frag if frag else ex.codes
     strides = (codes.stride(0), ex.scales.stride(0), gw.stride(0))
     return _call(mod, a, codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,
-                 offsets.contiguous(), strides, frag)
+                 offsets.contiguous(), strides, frag, rows)

@@ -41,6 +41,10 @@ def f64_qk_stages(rows: int) -> int:
     medians, the bits the same: decode 8 rows x 128 at 96 keys 25.3 -> 23.7 us, at 1024 keys 321 -> 180;
     prefill 512 x 512 650 -> 601 us; a pipelined p.v loop was slower), none for 16 (sm_90 spills)."""
     return 3 if rows <= 8 else 1
+
+
+#: keys per round of the fp64 kernels' p.v loop (their loads issued together; the sum stays key after key)
+F64_PV_UNROLL = 4
 FAST_BN = 64
 
 
@@ -184,7 +188,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scratch = torch.empty(b * hkv * splits * (bh * d + F64_BN * bh), dtype=torch.float64, device=q.device)
         ta.decode_f64_kernel[grid](q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                                    hq, rep, *strides, _f64_bits(scaling), D=d, BH=bh, BN=F64_BN, BD=F64_BD,
-                                   DIRECT=splits == 1, QK_STAGES=f64_qk_stages(bh),
+                                   DIRECT=splits == 1, QK_STAGES=f64_qk_stages(bh), PV_UNROLL=F64_PV_UNROLL,
                                    num_warps=_f64_decode_warps(bh, d), num_stages=1)
     else:
         qc = q.to(k_cache.dtype)
@@ -238,6 +242,6 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *keep_strides,
         out.stride(0), out.stride(1), out.stride(2), _f64_bits(scaling),
         D=d, BM=PREFILL_BM, BN=F64_BN, BD=F64_BD, CAUSAL=bool(causal), HAS_KEEP=keep is not None,
-        QK_STAGES=f64_qk_stages(PREFILL_BM),
+        QK_STAGES=f64_qk_stages(PREFILL_BM), PV_UNROLL=F64_PV_UNROLL,
         num_warps=1, num_stages=1)
     return out

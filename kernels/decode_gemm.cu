@@ -71,7 +71,16 @@ struct Params {
   int offsets64, E;
   int64_t w_estride_c, w_estride_s, gw_estride;
   int frag;  // weight codes in fragment order (``weights.fragment_order``); ring depths 4 and 8 only
+  // grouped: row m of the sorted problem is token row a_rows[m] of a (int32 or int64), or m itself (null):
+  // the rows routed to experts read in place, without a gathered copy of a
+  const void* a_rows;
+  int a_rows64;
 };
+
+__device__ __forceinline__ int64_t a_row(const Params& p, int m) {
+  if (p.a_rows == nullptr) return m;
+  return p.a_rows64 ? static_cast<const int64_t*>(p.a_rows)[m] : static_cast<const int*>(p.a_rows)[m];
+}
 
 // token units (row, step, piece: 16 code bytes + 2 scale bytes) a thread holds in registers while the next
 // segment's fragments are fetched; the launcher sizes segments so that a segment's units fit
@@ -210,8 +219,9 @@ __device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, int u
   const int row = m0 + m, s = s_begin + sl;
   if (row < m_end && s < s_end) {
     const size_t kh = p.K >> 1, ks = p.K >> 4;
-    u.codes = *reinterpret_cast<const uint4*>(p.a_codes + row * kh + s * kStepBytes + 16 * piece);
-    u.sc = *reinterpret_cast<const uint16_t*>(p.a_scales + row * ks + s * 8 + 2 * piece);
+    const int64_t ar = a_row(p, row);
+    u.codes = *reinterpret_cast<const uint4*>(p.a_codes + ar * kh + s * kStepBytes + 16 * piece);
+    u.sc = *reinterpret_cast<const uint16_t*>(p.a_scales + ar * ks + s * 8 + 2 * piece);
   } else {
     u.codes = make_uint4(0, 0, 0, 0);
     u.sc = 0;
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int m = m0 + 8 * jt + 2 * t + h;
-        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? m : 0] : 0.0f;
+        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row(p, m) : 0] : 0.0f;
       }
 
     // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
@@ -699,7 +709,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t frag, int64_t stream) {
+                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t stream) {
   using namespace minite_decode;
   Params p;
   p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
@@ -727,9 +737,12 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.w_estride_s = w_estride_s;
   p.gw_estride = gw_estride;
   p.frag = static_cast<int>(frag);
+  p.a_rows = reinterpret_cast<const void*>(a_rows);
+  p.a_rows64 = static_cast<int>(a_rows64);
   const int64_t nsteps = K / 128;
   if (warps < 1 || warps > 8 || (warps & (warps - 1)) || lanes < 1 || warps % lanes || (lanes & (lanes - 1)) ||
-      chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1)
+      chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1 ||
+      (a_rows != 0 && offsets == 0))
     return -1;
   // segments hold whole rounds of chunks (C chunks of 2^chunk_log2 steps), or all of K
   if (chunk_log2 >= 0 && seg < nsteps && seg % (lanes << chunk_log2)) return -1;

@@ -396,10 +396,12 @@ def _tile_schedule_torch(offsets: torch.Tensor, m: int, bm: int):
             ends[-1:].to(torch.int64))
 
 
-def _grouped_choice(a, ex: NVFP4Experts, config=None):
-    """(config, CUDA module or None, the CUDA kernel takes these operands) for a grouped GEMM over ``ex``."""
+def _grouped_choice(a, ex: NVFP4Experts, config=None, m: int | None = None):
+    """(config, CUDA module or None, the CUDA kernel takes these operands) for a grouped GEMM over ``ex`` of
+    ``m`` rows (default: a's)."""
     from . import _cuda_decode
-    m, k = a.shape
+    k = a.shape[1]
+    m = a.shape[0] if m is None else m
     e, n, _ = ex.shape
     dev = a.device
     mod = _cuda_module(dev) if config is None or config.get("variant") == "cuda" else None
@@ -420,17 +422,19 @@ def grouped_config_for(a: NVFP4Tensor, ws, backend: str | None = None) -> str:
     return config_name(_grouped_choice(a, ex)[0])
 
 
-def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segments: int = 1) -> torch.Tensor:
+def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segments: int = 1,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     from . import _cuda_decode
     from . import _triton_gemm as tg
     from . import _w32_launch
-    m, k = a.shape
+    k = a.shape[1]
+    m = a.shape[0] if rows is None else rows.numel()
     e, n, _ = ex.shape
     dev = a.device
     explicit = config is not None  # a caller's config: its failures raise instead of falling back
     if k_segments > 1 and config is None:  # the Triton kernel's segment loop (not the CUDA decode kernel's)
         config = _grouped_config(dev.type == "cpu", ex.f16 is not None, m, e, dev, False, k)
-    cfg, mod, cuda_ok = _grouped_choice(a, ex, config)
+    cfg, mod, cuda_ok = _grouped_choice(a, ex, config, m)
     variant = cfg.get("variant", "decode")
     if k_segments > 1 and variant not in ("decode", "f16"):
         raise ValueError(f"grouped GEMM variant {variant!r} does not take K segments (decode or f16 do)")
@@ -441,12 +445,14 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segm
         if not cuda_ok:
             raise ValueError(f"the CUDA decode GEMM is unavailable here or does not take K={k}, N={n}")
         try:
-            return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, k_chunk())
+            return _cuda_decode.grouped(mod, a, ex, out, offsets, cfg, k_chunk(), rows)
         except ValueError:  # no token segment of this K fits the GPU's shared memory: the Triton configs
             if explicit:
                 raise
             cfg = _grouped_config(False, ex.f16 is not None, m, e, dev, k=k)
             variant = cfg.get("variant", "decode")
+    if rows is not None:  # the Triton kernels read a's rows in order: gather them (the same codes and scales)
+        a, rows = a.take(rows), None
     if variant in ("f16", "w16w", "w16") and ex.f16 is None:
         ex = prepare_experts(ex, "triton")  # per call (benchmarks / explicit configs): costs a decode pass
     offs32 = offsets.to(torch.int32).contiguous()
@@ -509,14 +515,19 @@ def nvfp4_gemm(a: NVFP4Tensor, w, out_dtype: torch.dtype = torch.bfloat16,
 
 
 def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                       backend: str | None = None, config: dict | None = None, k_segments: int = 1) -> torch.Tensor:
+                       backend: str | None = None, config: dict | None = None, k_segments: int = 1,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
     """MoE GEMM: rows of a [M, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1] and
     out[rows] = a[rows] @ ws[e].T. ``ws``: a list of E NVFP4Tensors [N, K] or an ``NVFP4Experts`` (stacked,
     preferred: a list is stacked on every call). ``offsets``: int [E+1], offsets[0] == 0, non-decreasing,
     offsets[E] == M; empty groups allowed. a may carry a per-row global scale [M]. One kernel launch.
     ``k_segments`` S > 1: the experts' global scales are [E, S], one per equal K segment (K / S a multiple
     of 128; a transposed weight whose fused shards kept their own scales: ``backward_gemm``): each segment is
-    summed from zero and the segment sums are added in order, each times its scale."""
+    summed from zero and the segment sums are added in order, each times its scale.
+    ``rows`` (int32 / int64 [M'], on a's device): the sorted problem's row i is a's row rows[i] (a then holds
+    each token once, the problem M' = T x top-k rows; offsets end at M'): the result is that of
+    ``a.take(rows)``, bit for bit; the CUDA decode kernel reads the rows in place, the other paths gather
+    them first. Index values are not checked on the GPU (a host read)."""
     ex = stack_experts(ws)
     if ex.codes.dim() != 3 or ex.scales.dim() != 3 or ex.scales.shape[:2] != ex.codes.shape[:2] \
             or ex.scales.shape[2] * 8 != ex.codes.shape[2]:
@@ -531,16 +542,24 @@ def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: tor
         raise ValueError(f"stacked experts: global_scale must be float32 [{e}] or [{e}, {n}], got "
                          f"{ex.global_scale.dtype} {tuple(ex.global_scale.shape)}")
     _check_common(a, k, ex.codes.device, out_dtype)
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) \
+                or rows.device != a.device:
+            raise ValueError(f"rows must be an int32/int64 [M'] tensor on {a.device}")
+        rows = rows.contiguous()
+        if a.device.type == "cpu" and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= a.shape[0]):
+            raise ValueError(f"rows index outside a's {a.shape[0]} rows")
+    m = a.shape[0] if rows is None else rows.numel()
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() != e + 1 \
             or offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be an int32/int64 tensor [E+1] = [{e + 1}]")
     offsets = offsets.to(a.device)
     if a.device.type == "cpu":  # cheap here; on the GPU the check would cost a host sync per call
         o = offsets.tolist()
-        if o[0] != 0 or o[-1] != a.shape[0] or any(x > y for x, y in zip(o, o[1:])):
-            raise ValueError(f"offsets must start at 0, be non-decreasing and end at M={a.shape[0]}: {o}")
+        if o[0] != 0 or o[-1] != m or any(x > y for x, y in zip(o, o[1:])):
+            raise ValueError(f"offsets must start at 0, be non-decreasing and end at M={m}: {o}")
     path = gemm_path(a.device, backend)
     if path == "torch":
-        return _torch_gemm.grouped_gemm(a, ex, offsets, out_dtype, k_segments)
+        return _torch_gemm.grouped_gemm(a if rows is None else a.take(rows), ex, offsets, out_dtype, k_segments)
     # Blackwell runs the portable decode kernel here too (a per-expert _scaled_mm would need host offsets)
-    return _triton_grouped(a, ex, offsets, out_dtype, config, k_segments)
+    return _triton_grouped(a, ex, offsets, out_dtype, config, k_segments, rows)

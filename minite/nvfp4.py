@@ -123,6 +123,13 @@ class NVFP4Tensor:
         g = self.global_scale if self.global_scale.dim() == 0 else self.global_scale[start:stop]
         return NVFP4Tensor(self.codes[start:stop], self.scales[start:stop], g)
 
+    def take(self, idx: torch.Tensor) -> "NVFP4Tensor":
+        """Rows ``idx`` (an int index tensor; a copy): codes, block scales and a per-row global scale
+        gathered, a per-tensor one kept. The codes of ``x[idx]`` when x was quantized per row or with a
+        static scale (and with tensor scaling when every row of x is in idx: the same amax)."""
+        g = self.global_scale if self.global_scale.dim() == 0 else self.global_scale[idx]
+        return NVFP4Tensor(self.codes[idx], self.scales[idx], g)
+
 
 # ----------------------------------------------------------------------------------------------- helpers
 def check_finite(x: torch.Tensor, what: str = "input") -> None:

@@ -371,6 +371,30 @@ def test_gpu_grouped_decode_bit_equal(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_grouped_decode_rows_in_place(tokens):
+    """The routed rows read in place (``rows``: the sampler's tokens quantized once, top-8 of 128 experts):
+    every grouped CUDA config equals the gathered operand's result bitwise, int64 and int32 indices, and the
+    default dispatch takes the CUDA kernel for it."""
+    dev = _gpu_module()
+    from minite.kernels import quantize
+    from minite.kernels.fused_ops import sort_by_expert
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    ids = torch.stack([torch.randperm(128, generator=g, device=dev)[:8] for _ in range(tokens)])
+    _, rows, offs = sort_by_expert(ids, 128)
+    a = quantize(torch.randn(tokens, 768, device=dev), scaling="row")
+    ex = decode_layout(stack_experts([quantize(torch.randn(256, 768, device=dev) * 0.05) for _ in range(128)]))
+    want = grouped_nvfp4_gemm(a.take(rows), ex, offs, out_dtype=torch.float32, config=G.GROUPED_FALLBACK)
+    for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=0, RG=2), dict(NT=1, W=4, D=8, SEG=0, RG=4)):
+        cfg = dict(variant="cuda", **cfg)
+        for idx in (rows, rows.to(torch.int32)):
+            got = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=cfg, rows=idx)
+            assert torch.equal(got, want), (G.config_name(cfg), idx.dtype)
+    assert torch.equal(grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, rows=rows), want)
+    assert G.grouped_config_for(a.take(rows), ex).startswith("cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [32, 64, 256])
 @pytest.mark.parametrize("n,k", [(512, 1024), (1024, 256)])
 def test_gpu_grouped_decode_many_rows_per_expert_bit_equal(tokens, n, k):

@@ -80,6 +80,29 @@ def test_grouped_ragged_with_empty_groups(backend):
     assert checks.rel_err(o2[5:40], r) < 1e-2
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_rows_read_in_place_equal_the_gathered_rows(backend):
+    """``rows``: the sorted problem's row i is a[rows[i]] (tokens quantized once, each routed to several
+    experts): bitwise the result of the gathered operand ``a.take(rows)``, int32 or int64 indices, and a
+    per-row global scale taken with its row."""
+    e, n, k, t = 4, 32, 256, 6
+    ws = [_q(n, k, "tensor", seed=30 + i) for i in range(e)]
+    a = _q(t, k, seed=3)  # per-row global scale
+    rows = torch.tensor([0, 2, 5, 1, 2, 3, 4, 5, 0, 1, 3, 4])  # each token twice, sorted by expert
+    offs = torch.tensor([0, 3, 3, 8, 12])
+    want = grouped_nvfp4_gemm(a.take(rows), ws, offs, out_dtype=torch.float32, backend=backend)
+    for idx in (rows, rows.to(torch.int32)):
+        got = grouped_nvfp4_gemm(a, ws, offs, out_dtype=torch.float32, backend=backend, rows=idx)
+        assert torch.equal(got, want)
+    assert torch.equal(a.take(rows).global_scale, a.global_scale[rows])
+    with pytest.raises(ValueError, match="end at M=12"):
+        grouped_nvfp4_gemm(a, ws, torch.tensor([0, 3, 3, 8, 11]), backend=backend, rows=rows)
+    with pytest.raises(ValueError, match="rows index outside"):
+        grouped_nvfp4_gemm(a, ws, offs, backend=backend, rows=rows + 1)
+    with pytest.raises(ValueError, match="rows must be"):
+        grouped_nvfp4_gemm(a, ws, offs, backend=backend, rows=rows.float())
+
+
 def test_grouped_all_rows_one_expert_and_zero_rows():
     k = 64
     ws = [_q(16, k, "tensor", seed=i) for i in range(3)]

@@ -174,13 +174,23 @@ def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
 
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
                    calib: Calibrator | None = None, valid: torch.Tensor | None = None,
-                   dequantized=None, act_scale: float | None = None) -> torch.Tensor:
+                   dequantized=None, act_scale: float | None = None, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Rows of xs [S, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1]. Returns [S, N].
+    ``rows`` [S]: the sorted rows are xs[rows] (xs then holds each token once). On the kernel path with
+    per-row or static activation scales the tokens are quantized once and the grouped kernel reads their
+    rows in place (the codes of xs[rows], without the gathered copy); every other path gathers first.
     ``weights``: BF16 [E, N, K], a list of E NVFP4Tensors, or their ``NVFP4Experts`` stack (what the grouped
     kernel reads). ``dequantized()``: the stacked BF16 values of NVFP4 ``weights`` for the "emulated" path.
     ``act_scale``: the static activation scale as a host number (else computed from ``amax``). Without
     calibration, every path but the CPU per-expert loops reads nothing back from the device."""
     nvfp4_w = not isinstance(weights, torch.Tensor)
+    if (rows is not None and nvfp4_w and calib is None and recipe.gemm == "kernel"
+            and recipe.activations.scaling in ("row", "static")):
+        a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
+        return kernels.grouped_nvfp4_gemm(a, weights, offsets, out_dtype=xs.dtype, rows=rows)
+    if rows is not None:
+        xs = xs[rows]
     if nvfp4_w and recipe.gemm == "emulated" and calib is None and dequantized is not None:
         # vLLM's / TE's emulation: quantize the activations, dequantize both, one BF16 grouped GEMM
         xs = qdq_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name), xs.dtype)
@@ -228,9 +238,9 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
     perm, rows, offsets = fused_ops.sort_by_expert(idx, experts.num_experts)  # a stable sort by expert
     vrows = None if valid is None else valid[rows]
     stacked = experts.stacked if calib is None else {}
-    h = grouped_linear(x[rows], stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
+    h = grouped_linear(x, stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
                        f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"),
-                       experts.act_scale.get("gate_up"))
+                       experts.act_scale.get("gate_up"), rows=rows)
     gate, up = h.chunk(2, dim=-1)
     h = silu_mul(gate, up, recipe.non_gemm)
     y = grouped_linear(h, stacked.get("down", experts.down), offsets, recipe, experts.down_amax,
