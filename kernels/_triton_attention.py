@@ -80,20 +80,22 @@ def _softmax_step_f64(s, m, denom):
 @triton.jit
 def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr, UNROLL: tl.constexpr):
     """acc[r, :] += sum_j p[r, j] v[key0 + j, :] over the block's first n_keys keys, in float64, key after
-    key. UNROLL keys per round: their loads are issued together (a rolled loop waits one memory latency per
-    key); keys past n_keys load p = v = 0 and add +0.0, which leaves acc as it is (acc is never -0.0: it
-    starts at +0.0, and +0.0 + -0.0 = +0.0)."""
+    key. Whole rounds of UNROLL keys first, their loads issued together (a rolled loop waits about one memory
+    latency per key), then the keys left one at a time: the same additions in the same order."""
     r = tl.arange(0, p.shape[0])
     tl.store(p_t + tl.arange(0, p.shape[1])[None, :] * p.shape[0] + r[:, None], p)
     tl.debug_barrier()
     dv = tl.arange(0, D)[None, :]
-    for j0 in range(0, n_keys, UNROLL):
+    whole = n_keys // UNROLL * UNROLL
+    for j0 in range(0, whole, UNROLL):
         for u in tl.static_range(UNROLL):
-            j = j0 + u
-            pj = tl.load(p_t + j * p.shape[0] + r[:, None], mask=r[:, None] * 0 + j < n_keys, other=0.0)
-            vj = tl.load(v_base + tl.cast(key0 + j, tl.int64) * sv_n + dv, mask=dv * 0 + j < n_keys,
-                         other=0.0).to(tl.float64)
+            pj = tl.load(p_t + (j0 + u) * p.shape[0] + r[:, None])
+            vj = tl.load(v_base + tl.cast(key0 + j0 + u, tl.int64) * sv_n + dv).to(tl.float64)
             acc += pj * vj
+    for j in range(whole, n_keys):
+        pj = tl.load(p_t + j * p.shape[0] + r[:, None])
+        vj = tl.load(v_base + tl.cast(key0 + j, tl.int64) * sv_n + dv).to(tl.float64)
+        acc += pj * vj
     tl.debug_barrier()  # the next block rewrites p_t
     return acc
 

@@ -44,7 +44,7 @@ def f64_qk_stages(rows: int) -> int:
 
 
 #: keys per round of the fp64 kernels' p.v loop (their loads issued together; the sum stays key after key)
-F64_PV_UNROLL = 4
+F64_PV_UNROLL = 8
 FAST_BN = 64
 
 

@@ -74,6 +74,22 @@ def test_decode_invariant_does_not_depend_on_splits_batch_or_cache_view():
         assert torch.equal(alone, ref[i:i + 1])
 
 
+@pytest.mark.parametrize("unroll", [1, 3, 16])
+def test_invariant_bits_do_not_depend_on_the_pv_unroll(unroll, monkeypatch):
+    """The p.v loop's rounds of keys (``F64_PV_UNROLL``) change which loads are in flight, not the sum: the
+    references' bits for decode and full sequence at every round size (lengths leave keys over)."""
+    monkeypatch.setattr(A, "F64_PV_UNROLL", unroll)
+    kc, vc = _cache(3, 2, 100, 64, seed=6)
+    q, ids, lens = _q(3, 8, 64, seed=7), _ids([2, 0, 1]), _ids([100, 37, 5])
+    got = A.decode_attention(q, kc, vc, ids, lens, 0.125, "invariant", splits=2, backend="triton")
+    assert torch.equal(got, A.decode_attention_reference(q, kc, vc, ids, lens, 0.125, "invariant"))
+    g = torch.Generator().manual_seed(8)
+    qs = torch.randn(1, 4, 70, 64, generator=g).bfloat16()
+    k, v = torch.randn(1, 2, 70, 64, generator=g).bfloat16(), torch.randn(1, 2, 70, 64, generator=g).bfloat16()
+    got = A.invariant_attention(qs, k, v, 0.125, backend="triton")
+    assert torch.equal(got, A.invariant_attention_reference(qs, k, v, 0.125))
+
+
 @pytest.mark.parametrize("b,hq,hkv,tq,tk,d", [(2, 4, 2, 19, 19, 64), (1, 3, 1, 5, 12, 128), (2, 8, 2, 70, 70, 64)])
 def test_full_sequence_is_bitwise_the_reference(b, hq, hkv, tq, tk, d):
     g = torch.Generator().manual_seed(tq)
