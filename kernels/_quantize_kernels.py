@@ -14,6 +14,10 @@ src(c) = gather[c] (``GATHER``; -1 = a zero column) or c (zero for c >= C: right
                     input's; for "vllm" also its global encode scale G's).
     _dequant_kernel codes + scales + S_dec -> fp32 or BF16 values.
 
+A fused producer (``SILU_MUL``, the expert down projection's input): the cast reads gate x and up (same shape,
+row stride ``stride_ur``) and quantizes SiLU(gate) * up as ``fused_ops.silu_mul`` rounds it (its own helper),
+so the values are that op's and its [R, C] output never goes to memory.
+
 Arithmetic rules that keep the bits equal to the PyTorch reference:
   * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels. The cast
     is compiled without FMA contraction (vLLM's zero guard ``v + (v == 0) * 1e8`` is a multiply-add).
@@ -30,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_fused_ops import silu_mul_values
+
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code reads globals only as constexpr
 #: bit i set where TE's RHT sign vector (minite.nvfp4.RHT_SIGNS) is -1
 _RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(
@@ -38,6 +44,8 @@ _RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(
 RHT_NONE, RHT_F32, RHT_BF16, RHT_F16 = 0, 1, 2, 3
 #: dequantized output (constexpr DQ): 0 = none, 1 = fp32, 2 = BF16 (stored as int16 bits)
 DQ_NONE, DQ_F32, DQ_BF16 = 0, 1, 2
+#: the cast's producer (constexpr SILU_MUL): 0 = the operand itself, SiLU(gate) * up in mode "hf" / "vllm"
+SILU_NONE, SILU_HF, SILU_VLLM = 0, 1, 2
 #: the scale formula (constexpr FORMULA), as minite.nvfp4.quantize's
 FORMULA_TE, FORMULA_VLLM = 0, 1
 
@@ -127,19 +135,26 @@ def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr,
-                 R, C, CW, stride_r, stride_c, rows_per_group, seed,
+def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr, up_ptr,
+                 R, C, CW, stride_r, stride_c, stride_ur, rows_per_group, seed,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
-                 GIVEN_G: tl.constexpr):
+                 GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
     rows3, cols3 = _tile_index(BR, BC)           # [BR, 1, 1], [1, NB, 16]
     rows = pr * BR + tl.arange(0, BR)
     rmask = rows < R
-    x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
+    if SILU_MUL != SILU_NONE:  # no gather / padding here: zeros outside [R, C] (SiLU(0) * 0 = 0)
+        inside = (rows3 < R) & (cols3 < C)
+        gv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3.to(tl.int64) * stride_c, mask=inside, other=0.0)
+        uv = tl.load(up_ptr + rows3.to(tl.int64) * stride_ur + cols3.to(tl.int64) * stride_c, mask=inside,
+                     other=0.0)
+        x = silu_mul_values(gv, uv, SILU_MUL == SILU_HF).to(tl.float32)
+    else:
+        x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
     if RHT != 0:
         x = _rht16(x, RHT)
     if CHECK:  # NaN/Inf count per program (the caller raises); after the RHT, which can itself overflow

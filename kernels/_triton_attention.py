@@ -78,19 +78,28 @@ def _softmax_step_f64(s, m, denom):
 
 
 @triton.jit
-def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr, UNROLL: tl.constexpr):
+def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr, UNROLL: tl.constexpr,
+                MASKED: tl.constexpr):
     """acc[r, :] += sum_j p[r, j] v[key0 + j, :] over the block's first n_keys keys, in float64, key after
-    key. Whole rounds of UNROLL keys first, their loads issued together (a rolled loop waits about one memory
-    latency per key), then the keys left one at a time: the same additions in the same order."""
+    key, in rounds of UNROLL keys whose loads are issued together (a rolled loop waits about one memory
+    latency per key). MASKED: every round masked (keys past n_keys load p = v = 0 and add +0.0, which leaves
+    acc as it is: acc starts at +0.0 and +0.0 + -0.0 = +0.0); else whole rounds unmasked, then the keys left
+    one at a time. The same additions in the same order either way."""
     r = tl.arange(0, p.shape[0])
     tl.store(p_t + tl.arange(0, p.shape[1])[None, :] * p.shape[0] + r[:, None], p)
     tl.debug_barrier()
     dv = tl.arange(0, D)[None, :]
-    whole = n_keys // UNROLL * UNROLL
+    whole = n_keys if MASKED else n_keys // UNROLL * UNROLL
     for j0 in range(0, whole, UNROLL):
         for u in tl.static_range(UNROLL):
-            pj = tl.load(p_t + (j0 + u) * p.shape[0] + r[:, None])
-            vj = tl.load(v_base + tl.cast(key0 + j0 + u, tl.int64) * sv_n + dv).to(tl.float64)
+            j = j0 + u
+            if MASKED:
+                pj = tl.load(p_t + j * p.shape[0] + r[:, None], mask=r[:, None] * 0 + j < n_keys, other=0.0)
+                vj = tl.load(v_base + tl.cast(key0 + j, tl.int64) * sv_n + dv, mask=dv * 0 + j < n_keys,
+                             other=0.0).to(tl.float64)
+            else:
+                pj = tl.load(p_t + j * p.shape[0] + r[:, None])
+                vj = tl.load(v_base + tl.cast(key0 + j, tl.int64) * sv_n + dv).to(tl.float64)
             acc += pj * vj
     for j in range(whole, n_keys):
         pj = tl.load(p_t + j * p.shape[0] + r[:, None])
@@ -104,7 +113,8 @@ def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr, UNROLL
 def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                       n_q_heads, rep, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
                       scale_bits, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                      DIRECT: tl.constexpr, QK_STAGES: tl.constexpr, PV_UNROLL: tl.constexpr):
+                      DIRECT: tl.constexpr, QK_STAGES: tl.constexpr, PV_UNROLL: tl.constexpr,
+                      PV_MASKED: tl.constexpr):
     """One (sequence, KV head, split): the KV head's ``rep`` query heads against keys [lo, hi) of the split.
     Grid (B, Hkv, splits); DIRECT (one split): write the output itself, else a partial for merge_splits."""
     b = tl.program_id(0)
@@ -130,7 +140,7 @@ def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml
         s = tl.where(kmask[None, :], s * scale, float("-inf"))
         p, alpha, m, denom = _softmax_step_f64(s, m, denom)
         acc = _add_pv_f64(acc * alpha[:, None], p, q64 + BH * D, v_base, sv_seq, start,
-                          tl.minimum(BN, hi - start), D, PV_UNROLL)
+                          tl.minimum(BN, hi - start), D, PV_UNROLL, PV_MASKED)
     _finish_split(acc, m, denom, part_acc, part_ml, out, b, heads, hmask, n_q_heads, D, DIRECT)
 
 
@@ -221,7 +231,7 @@ def prefill_f64_kernel(q, k, v, keep, scratch, out, n_q_heads, rep, tq, tk, n_ti
                        skeep_b, skeep_h, skeep_q, skeep_k, so_b, so_t, so_h, scale_bits,
                        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KEEP: tl.constexpr, QK_STAGES: tl.constexpr,
-                       PV_UNROLL: tl.constexpr):
+                       PV_UNROLL: tl.constexpr, PV_MASKED: tl.constexpr):
     """Full-sequence float64 attention, persistent: each program walks tiles (b, head, BM query rows) with
     stride num_programs, heaviest (last) row blocks first; its scratch slot is reused tile after tile.
     Query row i sits at key position tk - tq + i (causal: it attends keys 0 .. tk - tq + i)."""
@@ -259,7 +269,7 @@ def prefill_f64_kernel(q, k, v, keep, scratch, out, n_q_heads, rep, tq, tk, n_ti
             s = tl.where(ok, s * scale, float("-inf"))
             p, alpha, m, denom = _softmax_step_f64(s, m, denom)
             acc = _add_pv_f64(acc * alpha[:, None], p, q64 + BM * D, v_base, sv_t, start,
-                              tl.minimum(BN, hi - start), D, PV_UNROLL)
+                              tl.minimum(BN, hi - start), D, PV_UNROLL, PV_MASKED)
         # no valid key (padding query): acc = 0 -> 0, as the reference
         o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         o_ptr = out + b.to(tl.int64) * so_b + rows[:, None].to(tl.int64) * so_t + h.to(tl.int64) * so_h \

@@ -162,18 +162,24 @@ def _qk_tail_kernel(qkv, row_stride, q_var, k_var, qw, kw, cos, sin, cs_b, cs_t,
 
 
 @triton.jit
+def silu_mul_values(gv, uv, HF: tl.constexpr):
+    """SiLU(g) * u in g's dtype (gv, uv as loaded): SiLU(g) = g / (1 + exp(-g)) in fp32 (torch's formula);
+    "hf" (HF) rounds it before the product. The cast kernel's fused producer calls it too."""
+    g = gv.to(tl.float32)
+    s = _div(g, 1.0 + _expf(-g))
+    if HF:
+        s = round_to(s, gv.dtype).to(tl.float32)
+    return round_to(s * uv.to(tl.float32), gv.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLOCK: tl.constexpr):
-    """SiLU(g) = g / (1 + exp(-g)) in fp32 (torch's formula); "hf" rounds it before the product."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
     gv = tl.load(gate + r * g_stride + cols, mask=m, other=0.0)
     uv = tl.load(up + r * u_stride + cols, mask=m, other=0.0)
-    g = gv.to(tl.float32)
-    s = _div(g, 1.0 + _expf(-g))
-    if HF:
-        s = round_to(s, gv.dtype).to(tl.float32)
-    tl.store(out + r * N + cols, round_to(s * uv.to(tl.float32), gv.dtype), mask=m)
+    tl.store(out + r * N + cols, silu_mul_values(gv, uv, HF), mask=m)
 
 
 @triton.jit

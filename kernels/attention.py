@@ -43,8 +43,12 @@ def f64_qk_stages(rows: int) -> int:
     return 3 if rows <= 8 else 1
 
 
-#: keys per round of the fp64 kernels' p.v loop (their loads issued together; the sum stays key after key)
-F64_PV_UNROLL = 8
+#: the fp64 kernels' p.v loop, per kernel: (keys per round, every round masked). The loads of a round are
+#: issued together; the sum stays key after key, so the bits do not depend on either. H200, CUDA-graph
+#: medians (two interleaved rounds, every variant bitwise the reference): decode 8 rows x 128 at batch 64
+#: and 96 keys 23.8 us rolled -> 20.9 with masked rounds of 8 (unmasked rounds of 4: 22.9, of 8: 30.2), at
+#: 1024 keys 180 -> 154; prefill B2 x 512 606 -> 477-486 with unmasked rounds of 4 (masked rounds of 8: 516)
+F64_PV = {"decode": (8, True), "prefill": (4, False)}
 FAST_BN = 64
 
 
@@ -186,9 +190,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if f64:
         bh = _pow2(rep)
         scratch = torch.empty(b * hkv * splits * (bh * d + F64_BN * bh), dtype=torch.float64, device=q.device)
+        unroll, masked = F64_PV["decode"]
         ta.decode_f64_kernel[grid](q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
                                    hq, rep, *strides, _f64_bits(scaling), D=d, BH=bh, BN=F64_BN, BD=F64_BD,
-                                   DIRECT=splits == 1, QK_STAGES=f64_qk_stages(bh), PV_UNROLL=F64_PV_UNROLL,
+                                   DIRECT=splits == 1, QK_STAGES=f64_qk_stages(bh), PV_UNROLL=unroll,
+                                   PV_MASKED=masked,
                                    num_warps=_f64_decode_warps(bh, d), num_stages=1)
     else:
         qc = q.to(k_cache.dtype)
@@ -242,6 +248,6 @@ def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *keep_strides,
         out.stride(0), out.stride(1), out.stride(2), _f64_bits(scaling),
         D=d, BM=PREFILL_BM, BN=F64_BN, BD=F64_BD, CAUSAL=bool(causal), HAS_KEEP=keep is not None,
-        QK_STAGES=f64_qk_stages(PREFILL_BM), PV_UNROLL=F64_PV_UNROLL,
+        QK_STAGES=f64_qk_stages(PREFILL_BM), PV_UNROLL=F64_PV["prefill"][0], PV_MASKED=F64_PV["prefill"][1],
         num_warps=1, num_stages=1)
     return out

@@ -9,7 +9,15 @@ import torch
 from minite import nvfp4 as ref
 
 from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
-from .quantize import MAX_KP, dequantize, operand, quantize, quantize_dequantize, quantize_weight_groups
+from .quantize import (
+    MAX_KP,
+    dequantize,
+    operand,
+    quantize,
+    quantize_dequantize,
+    quantize_silu_mul,
+    quantize_weight_groups,
+)
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -106,6 +114,26 @@ def _fused_case(name, x, backend, width=None, gather=None, codes=True, **kw):
     return out
 
 
+def check_silu_mul_quantizers(device, backend=None, rows=517, inter=768):
+    """``quantize_silu_mul`` (SiLU * up inside the cast pass) vs the reference quantizer on
+    ``fused_ops.silu_mul_reference``'s values, bit for bit: the expert down projection's input, both modes,
+    per-row and static scales with formulas "te" and "vllm", and tensor scaling (the two-call fallback)."""
+    from .fused_ops import silu_mul_reference
+    h = spread_input(rows, 2 * inter, device, torch.bfloat16, seed=25)  # a gate_up output: gate | up halves
+    gate, up = h.chunk(2, dim=-1)
+    res = []
+    for mode, formula, kw in (("hf", "te", dict(scaling="row")), ("vllm", "te", dict(scaling="row")),
+                              ("hf", "te", dict(scaling="static", amax=3.0)),
+                              ("vllm", "vllm", dict(scaling="static", global_encode_scale=700.0)),
+                              ("hf", "vllm", dict(scaling="row")), ("hf", "te", dict(scaling="tensor"))):
+        q = quantize_silu_mul(gate, up, mode, formula=formula, backend=backend, **kw)
+        r = ref.quantize(silu_mul_reference(gate, up, mode), formula=formula, **kw)
+        ok = same_nvfp4(q, r)
+        res.append((f"silu_mul {mode} {formula} {kw['scaling']} {rows}x{inter}", ok, "bit-exact" if ok else
+                    f"{bits_differ(q.codes, r.codes)} code bytes, {bits_differ(q.scales, r.scales)} scales differ"))
+    return res
+
+
 def check_fused_quantizers(device, backend=None, tokens=4133, hidden=2048, experts=16, inter=768):
     """Every fused quantizer bit-exact vs minite.nvfp4 on learner-like operands: the dgrad operand (rows),
     the wgrad operands (transposed views, tokens padded or gathered per expert, RHT + SR), forward
@@ -141,7 +169,7 @@ def check_fused_quantizers(device, backend=None, tokens=4133, hidden=2048, exper
               and same_bits(dq, torch.cat([ref.dequantize(p) for p in want]).bfloat16()))
         res.append((f"weights {tuple(w.shape)} {groups} groups {tile[0]}x{tile[1]}", ok,
                     "bit-exact" if ok else "codes / scales / S_dec / values differ"))
-    return res
+    return res + check_silu_mul_quantizers(device, backend, inter=inter)
 
 
 def _check_dequantize(t, backend, label):

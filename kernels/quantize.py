@@ -148,9 +148,10 @@ def _draw_seed(generator) -> int:
 
 def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
           rounding="nearest", rht=False, generator=None, check=True, width=None, gather=None, groups=1,
-          codes=True, dq_dtype=None) -> _Cast:
+          codes=True, dq_dtype=None, silu=None) -> _Cast:
     """Formula "te" or "vllm" through the Triton kernels: x any strided 2D view, the operand per (width,
-    gather), ``groups`` row groups with their own tensor amax (tensor scaling)."""
+    gather), ``groups`` row groups with their own tensor amax (tensor scaling). ``silu`` (up, mode): the
+    operand is SiLU(x) * up (``quantize_silu_mul`` says where this is taken)."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -214,12 +215,14 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             num_warps=pwarps, enable_fp_fusion=False)
     elif r and cw:
+        up = x if silu is None else silu[0]
         K._cast_kernel[grid](
             x, gather_t, amax_t if amax_t is not None else dummy,
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,
             sdec_rows if sdec_rows is not None else dummy, sdec_groups,
-            (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad,
-            *common, rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode, TILE16=tile16,
+            (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad, up,
+            *common[:5], up.stride(0), rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode,
+            TILE16=tile16, SILU_MUL=K.SILU_NONE if silu is None else {"hf": K.SILU_HF, "vllm": K.SILU_VLLM}[silu[1]],
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
@@ -266,6 +269,29 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
         return ref.quantize(operand(x, width, gather), check=check, **kw)
     cast = _cast(x, check=check, width=width, gather=gather, **kw)
     return _to_nvfp4(cast, scaling)
+
+
+def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: str = "te", tile=(1, 16),
+                      scaling: str = "tensor", amax=None, global_encode_scale=None, check: bool = True,
+                      backend: str | None = None) -> ref.NVFP4Tensor:
+    """``quantize(fused_ops.silu_mul(gate, up, mode), ...)`` bit for bit (nearest rounding, no RHT): one cast
+    pass that computes SiLU(gate) * up as it loads (no [M, I] intermediate, one launch) where the kernel takes
+    it, i.e. formula "te" / "vllm", 1x16 blocks, row scaling of rows one program holds or static scaling,
+    gate / up 2D BF16 / FP16 views with contiguous rows (the two halves of a gate_up output); else the two
+    calls."""
+    from .fused_ops import MODES, silu_mul
+    kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
+              rounding="nearest", rht=False, generator=None)
+    if mode not in MODES:
+        raise ValueError(f"silu_mul mode {mode!r}: expected one of {MODES}")
+    fused = (_kernel_path(gate, formula, backend) and tuple(tile) == (1, 16) and gate.dim() == 2
+             and gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in (torch.bfloat16, torch.float16)
+             and gate.stride(1) == 1 and up.stride(1) == 1
+             and (scaling == "static" or (scaling == "row" and gate.shape[1] <= MAX_KP)))
+    if not fused:
+        return quantize(silu_mul(gate, up, mode, backend=backend), check=check, backend=backend, **kw)
+    _validate(gate, None, None, **kw)
+    return _to_nvfp4(_cast(gate, check=check, silu=(up, mode), **kw), scaling)
 
 
 def quantize_dequantize(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, formula: str = "te",

@@ -255,7 +255,9 @@ def compile_sm90() -> int:
                 else torch.empty(2048, 4096, device="meta"))  # the tiles the entry points pick for it
         br, bc, warps, _ = _tiles(view, 4096, c.get("TILE16", False), c.get("ROW_AMAX", False))
         consts = dict(c, BR=br, BC=bc, **({"stride_r": 1} if layout == "T" else {"stride_c": 1}))
-        types = dict(x_ptr=xdt, gather_ptr="*i32", amax_ptr="*fp32" if kind == "cast" else "*i32",
+        if kind == "cast":
+            consts["SILU_MUL"] = K.SILU_NONE
+        types = dict(x_ptr=xdt, up_ptr=xdt, gather_ptr="*i32", amax_ptr="*fp32" if kind == "cast" else "*i32",
                      codes_ptr="*u8", scales_ptr="*u8", sdec_ptr="*fp32", gsdec_ptr="*fp32",
                      dq_ptr="*i16" if c.get("DQ") == K.DQ_BF16 else "*fp32", bad_ptr="*i32", seed="i32")
         # pointers and the sizes / strides Triton sees as multiples of 16 at learner shapes

@@ -34,11 +34,11 @@ def kernels():
         for bh in (1, 2, 4, 8, 16):
             yield (f"decode_f64 D{d} rows{bh}", ta.decode_f64_kernel, att,
                    dict(D=d, BH=bh, BN=A.F64_BN, BD=A.F64_BD, DIRECT=False, QK_STAGES=A.f64_qk_stages(bh),
-                        PV_UNROLL=A.F64_PV_UNROLL),
+                        PV_UNROLL=A.F64_PV["decode"][0], PV_MASKED=A.F64_PV["decode"][1]),
                    A._f64_decode_warps(bh, d), 1)
         yield (f"decode_f64 D{d} rows8 direct", ta.decode_f64_kernel, att,
                dict(D=d, BH=8, BN=A.F64_BN, BD=A.F64_BD, DIRECT=True, QK_STAGES=A.f64_qk_stages(8),
-                    PV_UNROLL=A.F64_PV_UNROLL),
+                    PV_UNROLL=A.F64_PV["decode"][0], PV_MASKED=A.F64_PV["decode"][1]),
                A._f64_decode_warps(8, d), 1)
         for bh in (16, 32):
             yield (f"decode_fast D{d} rows{bh}", ta.decode_fast_kernel, fast,
@@ -46,7 +46,8 @@ def kernels():
         for causal, keep in ((True, False), (True, True), (False, True)):
             yield (f"prefill_f64 D{d} causal={causal} keep={keep}", ta.prefill_f64_kernel, att,
                    dict(D=d, BM=A.PREFILL_BM, BN=A.F64_BN, BD=A.F64_BD, CAUSAL=causal, HAS_KEEP=keep,
-                        QK_STAGES=A.f64_qk_stages(A.PREFILL_BM), PV_UNROLL=A.F64_PV_UNROLL), 1, 1)
+                        QK_STAGES=A.f64_qk_stages(A.PREFILL_BM), PV_UNROLL=A.F64_PV["prefill"][0],
+                        PV_MASKED=A.F64_PV["prefill"][1]), 1, 1)
         for f64, t in ((True, att), (False, fast)):
             yield (f"merge_splits D{d} f64={f64}", ta.merge_splits_kernel, t,
                    dict(D=d, SPLITS_P2=64, F64=f64), 1 if d <= 64 else 2, 1)

@@ -74,11 +74,12 @@ def test_decode_invariant_does_not_depend_on_splits_batch_or_cache_view():
         assert torch.equal(alone, ref[i:i + 1])
 
 
-@pytest.mark.parametrize("unroll", [1, 3, 16])
-def test_invariant_bits_do_not_depend_on_the_pv_unroll(unroll, monkeypatch):
-    """The p.v loop's rounds of keys (``F64_PV_UNROLL``) change which loads are in flight, not the sum: the
-    references' bits for decode and full sequence at every round size (lengths leave keys over)."""
-    monkeypatch.setattr(A, "F64_PV_UNROLL", unroll)
+@pytest.mark.parametrize("unroll,masked", [(1, False), (3, False), (16, False), (3, True), (8, True)])
+def test_invariant_bits_do_not_depend_on_the_pv_rounds(unroll, masked, monkeypatch):
+    """The p.v loop's rounds of keys (``F64_PV``) change which loads are in flight, not the sum: the
+    references' bits for decode and full sequence at every round size, masked or not (lengths leave keys
+    over)."""
+    monkeypatch.setattr(A, "F64_PV", {"decode": (unroll, masked), "prefill": (unroll, masked)})
     kc, vc = _cache(3, 2, 100, 64, seed=6)
     q, ids, lens = _q(3, 8, 64, seed=7), _ids([2, 0, 1]), _ids([100, 37, 5])
     got = A.decode_attention(q, kc, vc, ids, lens, 0.125, "invariant", splits=2, backend="triton")

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from minite.kernels import quantize, quantize_dequantize, quantize_weight_groups
+from minite.kernels import checks, quantize, quantize_dequantize, quantize_silu_mul, quantize_weight_groups
 from minite.kernels.checks import check_fused_quantizers, same_bits, same_nvfp4, spread_input
 
 from minite import nvfp4 as ref
@@ -186,6 +186,23 @@ def test_kernels_never_negate_a_float_with_unary_minus():
         for node in ast.walk(ast.parse(inspect.getsource(fn.fn))):
             if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
                 assert isinstance(node.operand, ast.Constant), (fn.fn.__name__, ast.unparse(node))
+
+
+def test_silu_mul_inside_the_cast_is_the_reference():
+    """quantize_silu_mul under the interpreter: the reference quantizer's bits on silu_mul_reference's values
+    (both modes; row / static scales, formulas te / vllm; the tensor-scaling fallback), and one launch less:
+    the fused path never calls silu_mul."""
+    res = checks.check_silu_mul_quantizers(torch.device("cpu"), backend="triton", rows=37, inter=96)
+    assert all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+
+
+def test_silu_mul_cast_does_not_materialise_the_product(monkeypatch):
+    from minite.kernels import fused_ops
+    calls = []
+    monkeypatch.setattr(fused_ops, "silu_mul", lambda *a, **k: calls.append(1))
+    h = spread_input(5, 64, "cpu", torch.bfloat16, seed=3)
+    quantize_silu_mul(*h.chunk(2, dim=-1), "hf", scaling="row", backend="triton")
+    assert not calls
 
 
 @pytest.mark.gpu

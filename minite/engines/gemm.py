@@ -37,6 +37,14 @@ def quantize_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.
     return kernels.quantize(x2d, check=check, **_static_kwargs(spec, static_scale))
 
 
+def quantize_activation_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, spec: QuantSpec,
+                                 static_scale: torch.Tensor | None = None) -> nvfp4.NVFP4Tensor:
+    """``quantize_activation(fused_ops.silu_mul(gate, up, mode), spec, static_scale)`` bit for bit, the SiLU *
+    up computed inside the cast pass on CUDA (``kernels.quantize_silu_mul``): the expert down projection's
+    input without its [rows, I] intermediate."""
+    return kernels.quantize_silu_mul(gate, up, mode, check=False, **_static_kwargs(spec, static_scale))
+
+
 def qdq_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale=None, out_dtype=torch.bfloat16
                    ) -> torch.Tensor:
     """The values the emulated GEMM multiplies: ``nvfp4.dequantize(quantize_activation(...)).to(out_dtype)``

@@ -27,7 +27,14 @@ import torch.nn.functional as F
 
 from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe
-from minite.engines.gemm import hp_linear, nvfp4_gemm, nvfp4_linear, qdq_activation, quantize_activation
+from minite.engines.gemm import (
+    hp_linear,
+    nvfp4_gemm,
+    nvfp4_linear,
+    qdq_activation,
+    quantize_activation,
+    quantize_activation_silu_mul,
+)
 from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
 from minite.kernels import fused_ops
 
@@ -174,21 +181,27 @@ def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
 
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
                    calib: Calibrator | None = None, valid: torch.Tensor | None = None,
-                   dequantized=None, act_scale: float | None = None, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   dequantized=None, act_scale: float | None = None, rows: torch.Tensor | None = None,
+                   silu_mode: str | None = None) -> torch.Tensor:
     """Rows of xs [S, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1]. Returns [S, N].
-    ``rows`` [S]: the sorted rows are xs[rows] (xs then holds each token once). On the kernel path with
-    per-row or static activation scales the tokens are quantized once and the grouped kernel reads their
-    rows in place (the codes of xs[rows], without the gathered copy); every other path gathers first.
+    ``rows`` [S]: the sorted rows are xs[rows] (xs then holds each token once). ``silu_mode``: xs is a
+    gate_up output [S, 2K] and the input is silu_mul(gate, up, silu_mode). On the kernel path with per-row or
+    static activation scales (a row's codes do not depend on the other rows) the tokens are quantized once
+    and the grouped kernel reads their rows in place (the codes of xs[rows], without the gathered copy), and
+    the SiLU * up is computed inside the cast pass; every other path gathers / applies it first.
     ``weights``: BF16 [E, N, K], a list of E NVFP4Tensors, or their ``NVFP4Experts`` stack (what the grouped
     kernel reads). ``dequantized()``: the stacked BF16 values of NVFP4 ``weights`` for the "emulated" path.
     ``act_scale``: the static activation scale as a host number (else computed from ``amax``). Without
     calibration, every path but the CPU per-expert loops reads nothing back from the device."""
     nvfp4_w = not isinstance(weights, torch.Tensor)
-    if (rows is not None and nvfp4_w and calib is None and recipe.gemm == "kernel"
-            and recipe.activations.scaling in ("row", "static")):
-        a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
+    gate_up = xs.chunk(2, dim=-1) if silu_mode is not None else None
+    if nvfp4_w and calib is None and recipe.gemm == "kernel" and recipe.activations.scaling in ("row", "static"):
+        scale = _scale(act_scale, amax, recipe, name)
+        a = (quantize_activation(xs, recipe.activations, scale) if gate_up is None else
+             quantize_activation_silu_mul(*gate_up, silu_mode, recipe.activations, scale))
         return kernels.grouped_nvfp4_gemm(a, weights, offsets, out_dtype=xs.dtype, rows=rows)
+    if gate_up is not None:
+        xs = silu_mul(*gate_up, silu_mode)
     if rows is not None:
         xs = xs[rows]
     if nvfp4_w and recipe.gemm == "emulated" and calib is None and dequantized is not None:
@@ -241,11 +254,9 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
     h = grouped_linear(x, stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
                        f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"),
                        experts.act_scale.get("gate_up"), rows=rows)
-    gate, up = h.chunk(2, dim=-1)
-    h = silu_mul(gate, up, recipe.non_gemm)
     y = grouped_linear(h, stacked.get("down", experts.down), offsets, recipe, experts.down_amax,
                        f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
-                       experts.act_scale.get("down"))
+                       experts.act_scale.get("down"), silu_mode=recipe.non_gemm)  # input SiLU(gate) * up
     # back to (token, k) order, weighted and summed over k (transformers' grouped_mm experts for "hf")
     return fused_ops.combine_experts(y, perm, weights, recipe.non_gemm).to(x.dtype)
 
