@@ -147,12 +147,12 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
     rows3, cols3 = _tile_index(BR, BC)           # [BR, 1, 1], [1, NB, 16]
     rows = pr * BR + tl.arange(0, BR)
     rmask = rows < R
-    if SILU_MUL != SILU_NONE:  # no gather / padding here: zeros outside [R, C] (SiLU(0) * 0 = 0)
+    if SILU_MUL != 0:  # SILU_NONE; no gather / padding here: zeros outside [R, C] (SiLU(0) * 0 = 0)
         inside = (rows3 < R) & (cols3 < C)
         gv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3.to(tl.int64) * stride_c, mask=inside, other=0.0)
         uv = tl.load(up_ptr + rows3.to(tl.int64) * stride_ur + cols3.to(tl.int64) * stride_c, mask=inside,
                      other=0.0)
-        x = silu_mul_values(gv, uv, SILU_MUL == SILU_HF).to(tl.float32)
+        x = silu_mul_values(gv, uv, SILU_MUL == 1).to(tl.float32)  # SILU_HF
     else:
         x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
     if RHT != 0:

@@ -249,6 +249,12 @@ def compile_sm90() -> int:
                                                   TILE16=True, ROW_AMAX=False, CHECK=False, SDEC_ROWS=False)))
     variants.append(("cast", "*fp16", "rows", dict(RHT=K.RHT_F16, STOCHASTIC=True, CODES=True, DQ=0, GATHER=False,
                                                   TILE16=False, ROW_AMAX=True, CHECK=True, SDEC_ROWS=True)))
+    for silu in (K.SILU_HF, K.SILU_VLLM):  # the expert down projection's input: SiLU(gate) * up in the cast
+        variants.append(("cast", "*bf16", "rows", dict(RHT=0, STOCHASTIC=False, CODES=True, DQ=0, GATHER=False,
+                                                      TILE16=False, ROW_AMAX=silu == K.SILU_HF, CHECK=False,
+                                                      SDEC_ROWS=silu == K.SILU_HF, SILU_MUL=silu,
+                                                      FORMULA=K.FORMULA_TE if silu == K.SILU_HF else K.FORMULA_VLLM,
+                                                      GIVEN_G=silu == K.SILU_VLLM)))
     for kind, xdt, layout, c in variants:
         fn = K._cast_kernel if kind == "cast" else K._amax_kernel
         view = (torch.empty(4096, 2048, device="meta").t() if layout == "T"
@@ -256,7 +262,8 @@ def compile_sm90() -> int:
         br, bc, warps, _ = _tiles(view, 4096, c.get("TILE16", False), c.get("ROW_AMAX", False))
         consts = dict(c, BR=br, BC=bc, **({"stride_r": 1} if layout == "T" else {"stride_c": 1}))
         if kind == "cast":
-            consts["SILU_MUL"] = K.SILU_NONE
+            for key, default in (("SILU_MUL", K.SILU_NONE), ("FORMULA", K.FORMULA_TE), ("GIVEN_G", False)):
+                consts.setdefault(key, default)
         types = dict(x_ptr=xdt, up_ptr=xdt, gather_ptr="*i32", amax_ptr="*fp32" if kind == "cast" else "*i32",
                      codes_ptr="*u8", scales_ptr="*u8", sdec_ptr="*fp32", gsdec_ptr="*fp32",
                      dq_ptr="*i16" if c.get("DQ") == K.DQ_BF16 else "*fp32", bad_ptr="*i32", seed="i32")
