@@ -106,7 +106,8 @@ def _rollout_bars(ax, table: pd.DataFrame) -> None:
         ax.annotate(label, (i, r.rollout_tokens_per_s), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                     textcoords="offset points")
     ax.set_xticks(range(len(arms)), [ARM_LABELS.get(a, a) for a in arms])
-    ax.set(xlabel="", ylabel="decode tokens / s (median decode step)", title="Rollout (decode) throughput")
+    ax.set(xlabel="", ylabel="decode tokens / s (labels: ratio of median steps)",
+           title="Rollout (decode) throughput")
     ax.margins(y=0.35)
 
 
