@@ -345,8 +345,17 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
 
 // grid: x = groups of R x RG row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
 // block: 32 W threads (W = R * C). ROWS: RG may be above 1. FRAG: weight codes in fragment order.
+// The grouped decode default (one token tile, row groups in sequence, fragment-order codes) is held to 168
+// registers (sm_90 ptxas, no spills) so that three 4-warp CTAs fit an SM: three warps per scheduler
+template <int NT, bool GROUPED, bool ROWS, bool FRAG>
+struct Occupancy {
+  static constexpr bool kThree = NT == 1 && GROUPED && ROWS && FRAG;
+  static constexpr int kThreads = kThree ? 128 : 256, kBlocks = kThree ? 3 : 1;
+};
+
 template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
-__global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
+__global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
+                                  Occupancy<NT, GROUPED, ROWS, FRAG>::kBlocks) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kUnits = TokenBudget<NT>::kUnitsPerThread;
   const int W = blockDim.x >> 5;
@@ -665,6 +674,7 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
   const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
   // every segment's token units fit the registers the kernel keeps for them
   if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;
+  if (warps * 32 > Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads) return -1;  // more threads than it was built for
   // dynamic shared memory this kernel may use on each device (48 KB without opting in); raised once per size
   // and device, so a launch inside a CUDA graph capture (after a warm-up call) makes no attribute call
   static size_t raised[64] = {};
