@@ -114,12 +114,15 @@ __device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0
 // the word a lane decodes: the code bytes of positions 2t, 2t+1 (lo16) and 2t+8, 2t+9 (hi16) of a piece
 __device__ __forceinline__ uint32_t join16(uint32_t lo16, uint32_t hi16) { return __byte_perm(lo16, hi16, 0x5410); }
 
-// four E4M3 scale bytes -> fp16x2 {s0, s2} and {s1, s3}: bits (e & 0x7F) << 7 = s * 2^-8, times 256: exact
+// four E4M3 scale bytes -> fp16x2 {s0, s2} and {s1, s3}, exact (sm_89+ converts e4m3 pairs in one instruction;
+// a NaN scale byte stays NaN, where the Triton path's bit trick (e << 7) * 256 gives 480 for 0x7F)
 __device__ __forceinline__ void scale_pairs(uint32_t w, __half2& even, __half2& odd) {
-  uint32_t e = (w & 0x007F007Fu) << 7, o = (w & 0x7F007F00u) >> 1;
-  const __half2 k256 = __floats2half2_rn(256.0f, 256.0f);
-  even = __hmul2(*reinterpret_cast<__half2*>(&e), k256);
-  odd = __hmul2(*reinterpret_cast<__half2*>(&o), k256);
+  uint32_t e, o;
+  const uint32_t ew = __byte_perm(w, 0u, 0x0020), ow = __byte_perm(w, 0u, 0x0031);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(e) : "h"(static_cast<unsigned short>(ew)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o) : "h"(static_cast<unsigned short>(ow)));
+  even = *reinterpret_cast<__half2*>(&e);
+  odd = *reinterpret_cast<__half2*>(&o);
 }
 
 __device__ __forceinline__ uint32_t scaled(uint32_t pair_bits, __half s) {  // exact: fp16 product of exact values
