@@ -12,10 +12,12 @@
 //       one after another in chunk order, from 0.0f, in fp32 (the Triton kernels' ``acc = acc + part``);
 //   * epilogue ((acc * 2^28) * ga) * gw (+ bias, fused into the last multiply, as Triton does), then the cast.
 // Work split: a CTA holds R = W / C row groups of 16 weight rows (the mma's M side; tokens are its N side, 8 per
-// n8 tile, NT tiles per CTA), or R x RG when each warp runs RG row groups (rows 16 (x0 + i R), i < RG) one after
-// another: its ring and register pipeline run on from one row group's last K step into the next one's first,
-// and the token fragments stay in shared memory, so a tile's fixed costs (ring fill, token decode, barriers)
-// are paid once per RG row groups (short K, few tokens per expert). Without chunks C = 1: one warp per row group runs the whole chain. With chunks
+// n8 tile, NT tiles per CTA), or R x RG when each warp runs RG row groups one after another (rows 16 (x0 + i R),
+// i < RG; with fragment-order codes its RG consecutive row groups, rows 16 (x0 + i), whose codes are then one
+// contiguous stream: the ring's producer advances by one fixed step): its ring and register pipeline run on
+// from one row group's last K step into the next one's first, and the token fragments stay in shared memory,
+// so a tile's fixed costs (ring fill, token decode, barriers) are paid once per RG row groups (short K, few
+// tokens per expert). Without chunks C = 1: one warp per row group runs the whole chain. With chunks
 // the C warps of a row group take chunks c, c + C, c + 2C, ... (more warps per row: all SMs busy at M = 1)
 // and leave each chunk sum in shared memory; after one barrier the group's first warp adds them in chunk
 // order (C = 1: the warp adds them as it goes, same order). Deterministic, and no chunk depends on M.
@@ -112,12 +114,15 @@ __device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0
 // the word a lane decodes: the code bytes of positions 2t, 2t+1 (lo16) and 2t+8, 2t+9 (hi16) of a piece
 __device__ __forceinline__ uint32_t join16(uint32_t lo16, uint32_t hi16) { return __byte_perm(lo16, hi16, 0x5410); }
 
-// four E4M3 scale bytes -> fp16x2 {s0, s2} and {s1, s3}: bits (e & 0x7F) << 7 = s * 2^-8, times 256: exact
+// four E4M3 scale bytes -> fp16x2 {s0, s2} and {s1, s3}, exact (sm_89+ converts e4m3 pairs in one instruction;
+// a NaN scale byte stays NaN, where the Triton path's bit trick (e << 7) * 256 gives 480 for 0x7F)
 __device__ __forceinline__ void scale_pairs(uint32_t w, __half2& even, __half2& odd) {
-  uint32_t e = (w & 0x007F007Fu) << 7, o = (w & 0x7F007F00u) >> 1;
-  const __half2 k256 = __floats2half2_rn(256.0f, 256.0f);
-  even = __hmul2(*reinterpret_cast<__half2*>(&e), k256);
-  odd = __hmul2(*reinterpret_cast<__half2*>(&o), k256);
+  uint32_t e, o;
+  const uint32_t ew = __byte_perm(w, 0u, 0x0020), ow = __byte_perm(w, 0u, 0x0031);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(e) : "h"(static_cast<unsigned short>(ew)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o) : "h"(static_cast<unsigned short>(ow)));
+  even = *reinterpret_cast<__half2*>(&e);
+  odd = *reinterpret_cast<__half2*>(&o);
 }
 
 __device__ __forceinline__ uint32_t scaled(uint32_t pair_bits, __half s) {  // exact: fp16 product of exact values
@@ -343,8 +348,17 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
 
 // grid: x = groups of R x RG row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
 // block: 32 W threads (W = R * C). ROWS: RG may be above 1. FRAG: weight codes in fragment order.
+// The grouped decode default (one token tile, row groups in sequence, fragment-order codes) is held to 168
+// registers (sm_90 ptxas, no spills) so that three 4-warp CTAs fit an SM: three warps per scheduler
+template <int NT, bool GROUPED, bool ROWS, bool FRAG>
+struct Occupancy {
+  static constexpr bool kThree = NT == 1 && GROUPED && ROWS && FRAG;
+  static constexpr int kThreads = kThree ? 128 : 256, kBlocks = kThree ? 3 : 1;
+};
+
 template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
-__global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
+__global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
+                                  Occupancy<NT, GROUPED, ROWS, FRAG>::kBlocks) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kUnits = TokenBudget<NT>::kUnitsPerThread;
   const int W = blockDim.x >> 5;
@@ -363,17 +377,18 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
   const int my_chunks = c < nchunks ? (nchunks - 1 - c) / C + 1 : 0;
   const int my_last = c + (my_chunks - 1) * C;
   const int jump = (C - 1) << lcs;  // from the end of one of my chunks to the start of my next one
-  // my row groups: x0 + i R for i < nrg (RG of them, fewer at the end of N); without chunks my steps are
-  // nrg runs of all of K, one per row group, in that order (J counts them all)
+  // my row groups: x0 + i R for i < nrg (RG of them, fewer at the end of N), or x0 + i (STREAM); without
+  // chunks my steps are nrg runs of all of K, one per row group, in that order (J counts them all)
   // (ROWS false: RG = 1 at compile time, the plain kernel's registers)
+  constexpr bool STREAM = ROWS && FRAG;  // row groups run one chain each (no chunks): see the header
   const int row_groups = ROWS ? p.row_groups : 1;
-  const int x0 = blockIdx.x * R * row_groups + rg;
+  const int x0 = blockIdx.x * R * row_groups + (STREAM ? rg * row_groups : rg);
   const int left = (p.N >> 4) - x0;
   const bool active = left > 0;
-  const int nrg = ROWS && active ? min(row_groups, (left + R - 1) / R) : 1;  // idle warps shadow the last row
-                                                                             // group, store nothing
+  const int nrg = ROWS && active ? min(row_groups, STREAM ? left : (left + R - 1) / R) : 1;  // idle warps
+                                                                  // shadow the last row group, store nothing
   const int row0 = active ? x0 * 16 : p.N - 16;
-  const int row_pitch = R * 16;           // rows from one of my row groups to the next
+  const int row_pitch = STREAM ? 16 : R * 16;  // rows from one of my row groups to the next
   const int J = nrg * (my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs)));
   const Layout L = layout<NT, D>(W, nsteps, p.seg, nchunks, C);
   uint8_t* ring = smem + L.ring + warp * D * kSlotBytes;
@@ -427,7 +442,8 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
     // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
     // past my last step the copies read nothing (source size 0) from step 0. Then the cursor moves to my next
     // step: the next K step, my next chunk, or K step 0 of my next row group (running pointers: cur_c / cur_s
-    // at K step si of row group ri, rg_c / rg_s at its step 0).
+    // at K step si of row group ri, rg_c / rg_s at its step 0). STREAM: my row groups are consecutive, so
+    // the codes of my steps follow each other in memory and only the scales' pointer jumps after step K.
     int ji = 0, si = c << lcs, ri = 0;
     const uint8_t* rg_c = src_c;
     const uint8_t* rg_s = src_s;
@@ -446,7 +462,11 @@ __global__ void __launch_bounds__(256) decode_gemm_kernel(const Params p) {
           "cp.async.commit_group;\n" ::"r"(slot + dst_c), "l"(sc), "r"(n16), "r"(slot + dst_c8), "l"(sc + c8),
           "r"(slot + dst_s), "l"(ss), "r"(n4));
       ++ji;
-      if (si + 1 == nsteps && ri + 1 < nrg) {  // K step 0 of my next row group
+      if (STREAM) {  // the next code step follows in memory; the scales jump to the next 16 rows after K
+        const bool wrap = ++si == nsteps;
+        si = wrap ? 0 : si;
+        cur_c += kCodeStep, cur_s += wrap ? static_cast<size_t>(15 * ks + 8) : 8;
+      } else if (si + 1 == nsteps && ri + 1 < nrg) {  // K step 0 of my next row group
         ++ri, si = 0;
         rg_c += static_cast<size_t>(row_pitch) * kh, rg_s += static_cast<size_t>(row_pitch) * ks;
         cur_c = rg_c, cur_s = rg_s;
@@ -657,6 +677,7 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
   const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
   // every segment's token units fit the registers the kernel keeps for them
   if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;
+  if (warps * 32 > Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads) return -1;  // more threads than it was built for
   // dynamic shared memory this kernel may use on each device (48 KB without opting in); raised once per size
   // and device, so a launch inside a CUDA graph capture (after a warm-up call) makes no attribute call
   static size_t raised[64] = {};

@@ -221,7 +221,7 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,
             sdec_rows if sdec_rows is not None else dummy, sdec_groups,
             (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad, up,
-            *common[:5], up.stride(0), rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode,
+            *common, up.stride(0), rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode,
             TILE16=tile16, SILU_MUL=K.SILU_NONE if silu is None else {"hf": K.SILU_HF, "vllm": K.SILU_VLLM}[silu[1]],
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],

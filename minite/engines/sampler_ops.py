@@ -194,25 +194,23 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
     ``act_scale``: the static activation scale as a host number (else computed from ``amax``). Without
     calibration, every path but the CPU per-expert loops reads nothing back from the device."""
     nvfp4_w = not isinstance(weights, torch.Tensor)
-    gate_up = xs.chunk(2, dim=-1) if silu_mode is not None else None
-    if nvfp4_w and calib is None and recipe.gemm == "kernel" and recipe.activations.scaling in ("row", "static"):
+    kernel = nvfp4_w and calib is None and recipe.gemm == "kernel"  # one quantization, one grouped launch
+    in_place = kernel and recipe.activations.scaling in ("row", "static")
+    if silu_mode is not None and not in_place:
+        xs, silu_mode = silu_mul(*xs.chunk(2, dim=-1), silu_mode), None
+    if rows is not None and not in_place:
+        xs, rows = xs[rows], None
+    if kernel:
         scale = _scale(act_scale, amax, recipe, name)
-        a = (quantize_activation(xs, recipe.activations, scale) if gate_up is None else
-             quantize_activation_silu_mul(*gate_up, silu_mode, recipe.activations, scale))
+        a = (quantize_activation(xs, recipe.activations, scale) if silu_mode is None else
+             quantize_activation_silu_mul(*xs.chunk(2, dim=-1), silu_mode, recipe.activations, scale))
         return kernels.grouped_nvfp4_gemm(a, weights, offsets, out_dtype=xs.dtype, rows=rows)
-    if gate_up is not None:
-        xs = silu_mul(*gate_up, silu_mode)
-    if rows is not None:
-        xs = xs[rows]
     if nvfp4_w and recipe.gemm == "emulated" and calib is None and dequantized is not None:
         # vLLM's / TE's emulation: quantize the activations, dequantize both, one BF16 grouped GEMM
         xs = qdq_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name), xs.dtype)
         weights, nvfp4_w = dequantized(), False
     if not nvfp4_w:  # BF16 [E, N, K]
         return grouped_mm(xs, weights, offsets)
-    if calib is None and recipe.gemm == "kernel":  # one activation quantization, one grouped launch
-        a = quantize_activation(xs, recipe.activations, _scale(act_scale, amax, recipe, name))
-        return kernels.grouped_nvfp4_gemm(a, weights, offsets, out_dtype=xs.dtype)
     ws = weights if isinstance(weights, list) else [
         nvfp4.NVFP4Tensor(weights.codes[e], weights.scales[e], weights.global_scale[e])
         for e in range(weights.codes.shape[0])]
