@@ -14,9 +14,15 @@ src(c) = gather[c] (``GATHER``; -1 = a zero column) or c (zero for c >= C: right
                     input's; for "vllm" also its global encode scale G's).
     _dequant_kernel codes + scales + S_dec -> fp32 or BF16 values.
 
-A fused producer (``SILU_MUL``, the expert down projection's input): the cast reads gate x and up (same shape,
-row stride ``stride_ur``) and quantizes SiLU(gate) * up as ``fused_ops.silu_mul`` rounds it (its own helper),
-so the values are that op's and its [R, C] output never goes to memory.
+Fused producers (the operand is computed as it is loaded, by the helpers of the op it stands for, so the values
+are that op's):
+  * ``SILU_MUL`` (the expert down projection's input): the cast reads gate x and up (same shape, row stride
+    ``stride_ur``) and quantizes SiLU(gate) * up as ``fused_ops.silu_mul`` rounds it; its [R, C] output never
+    goes to memory.
+  * ``NORM`` (the input of the linear after an RMSNorm): the cast is the norm's last pass. It reads the rows
+    the norm normalises (x), their mean squares ``var_ptr`` [R] (torch's mean, taken before) and the weight
+    [C], forms the norm's output as ``fused_ops.rms_norm`` does, stores it (``y_ptr`` [R, C], contiguous:
+    the norm's result for its other readers) and quantizes it.
 
 Arithmetic rules that keep the bits equal to the PyTorch reference:
   * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels. The cast
@@ -34,7 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_fused_ops import silu_mul_values
+from ._triton_fused_ops import _norm_half, _rsqrtf, silu_mul_values
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code reads globals only as constexpr
 #: bit i set where TE's RHT sign vector (minite.nvfp4.RHT_SIGNS) is -1
@@ -46,6 +52,8 @@ RHT_NONE, RHT_F32, RHT_BF16, RHT_F16 = 0, 1, 2, 3
 DQ_NONE, DQ_F32, DQ_BF16 = 0, 1, 2
 #: the cast's producer (constexpr SILU_MUL): 0 = the operand itself, SiLU(gate) * up in mode "hf" / "vllm"
 SILU_NONE, SILU_HF, SILU_VLLM = 0, 1, 2
+#: the norm producer (constexpr NORM): 0 = none, RMSNorm's last pass in mode "hf" / "vllm"
+NORM_NONE, NORM_HF, NORM_VLLM = 0, 1, 2
 #: the scale formula (constexpr FORMULA), as minite.nvfp4.quantize's
 FORMULA_TE, FORMULA_VLLM = 0, 1
 
@@ -136,11 +144,11 @@ def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows
 
 @triton.jit(do_not_specialize=["seed"])
 def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr, up_ptr,
-                 R, C, CW, stride_r, stride_c, stride_ur, rows_per_group, seed,
+                 var_ptr, w_ptr, y_ptr, R, C, CW, stride_r, stride_c, stride_ur, rows_per_group, seed, eps,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
-                 GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr):
+                 GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
@@ -153,6 +161,14 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         uv = tl.load(up_ptr + rows3.to(tl.int64) * stride_ur + cols3.to(tl.int64) * stride_c, mask=inside,
                      other=0.0)
         x = silu_mul_values(gv, uv, SILU_MUL == 1).to(tl.float32)  # SILU_HF
+    elif NORM != 0:  # NORM_NONE; as SILU_MUL: zeros outside [R, C] (a zero weight there)
+        inside = (rows3 < R) & (cols3 < C)
+        sv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3.to(tl.int64) * stride_c, mask=inside, other=0.0)
+        wv = tl.load(w_ptr + cols3, mask=cols3 < C, other=0.0)
+        inv = _rsqrtf(tl.load(var_ptr + rows3, mask=rows3 < R, other=1.0) + eps)
+        yv = _norm_half(sv, inv, wv, NORM == 1)  # NORM_HF
+        tl.store(y_ptr + rows3.to(tl.int64) * C + cols3, yv, mask=inside)
+        x = yv.to(tl.float32)
     else:
         x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
     if RHT != 0:

@@ -15,6 +15,7 @@ from .quantize import (
     operand,
     quantize,
     quantize_dequantize,
+    quantize_rms_norm,
     quantize_silu_mul,
     quantize_weight_groups,
 )
@@ -134,6 +135,35 @@ def check_silu_mul_quantizers(device, backend=None, rows=517, inter=768):
     return res
 
 
+def check_rms_norm_quantizers(device, backend=None, rows=517, hidden=2048, eps=1e-6):
+    """``quantize_rms_norm`` (the norm's last pass is the cast) vs ``fused_ops.rms_norm_reference`` and the
+    reference quantizer, bit for bit: the norm's output, the residual sum and the codes; both modes, with and
+    without a residual, per-row and static scales with formulas "te" and "vllm", tensor scaling (the two-call
+    fallback), and fewer rows than a mean call takes (``fused_ops.MEAN_MIN_ROWS``)."""
+    from .fused_ops import rms_norm_reference
+    x = spread_input(rows, hidden, device, torch.bfloat16, seed=26)
+    residual = spread_input(rows, hidden, device, torch.bfloat16, seed=27)
+    weight = spread_input(1, hidden, device, torch.bfloat16, seed=28)[0].abs() + 0.5
+    res = []
+    for mode, with_res, formula, kw in (
+            ("hf", False, "te", dict(scaling="row")), ("hf", True, "te", dict(scaling="row")),
+            ("vllm", False, "te", dict(scaling="row")), ("vllm", True, "te", dict(scaling="row")),
+            ("hf", True, "te", dict(scaling="static", amax=3.0)),
+            ("vllm", False, "vllm", dict(scaling="static", global_encode_scale=700.0)),
+            ("hf", True, "te", dict(scaling="tensor"))):
+        for n in (rows, 5):
+            r = residual[:n] if with_res else None
+            out = quantize_rms_norm(x[:n], weight, eps, mode, r, formula=formula, backend=backend, **kw)
+            want = rms_norm_reference(x[:n], weight, eps, mode, r)
+            want = (want,) if r is None else want
+            q = ref.quantize(want[0], formula=formula, **kw)
+            ok = same_nvfp4(out[-1], q) and all(same_bits(a, b) for a, b in zip(out[:-1], want, strict=True))
+            res.append((f"rms_norm {mode} residual={with_res} {formula} {kw['scaling']} {n}x{hidden}", ok,
+                        "bit-exact" if ok else f"{bits_differ(out[0], want[0])} values, "
+                        f"{bits_differ(out[-1].codes, q.codes)} code bytes differ"))
+    return res
+
+
 def check_fused_quantizers(device, backend=None, tokens=4133, hidden=2048, experts=16, inter=768):
     """Every fused quantizer bit-exact vs minite.nvfp4 on learner-like operands: the dgrad operand (rows),
     the wgrad operands (transposed views, tokens padded or gathered per expert, RHT + SR), forward
@@ -169,7 +199,8 @@ def check_fused_quantizers(device, backend=None, tokens=4133, hidden=2048, exper
               and same_bits(dq, torch.cat([ref.dequantize(p) for p in want]).bfloat16()))
         res.append((f"weights {tuple(w.shape)} {groups} groups {tile[0]}x{tile[1]}", ok,
                     "bit-exact" if ok else "codes / scales / S_dec / values differ"))
-    return res + check_silu_mul_quantizers(device, backend, inter=inter)
+    return (res + check_silu_mul_quantizers(device, backend, inter=inter)
+            + check_rms_norm_quantizers(device, backend, hidden=hidden))
 
 
 def _check_dequantize(t, backend, label):

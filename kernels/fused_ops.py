@@ -156,14 +156,11 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def rms_norm(x, weight, eps, mode, residual=None, backend=None):
-    """See the module docstring."""
-    _check_mode(mode)
-    if not _use_triton(backend, x) or weight.dtype != x.dtype or x.shape[-1] != weight.shape[0] or \
-            (residual is not None and residual.dtype != x.dtype):
-        return rms_norm_reference(x, weight, eps, mode, residual)
-    from ._triton_fused_ops import _norm_tail_kernel, _square_kernel
-
+def norm_prologue(x, mode, residual=None):
+    """An RMSNorm's passes up to its last (the Triton path of ``rms_norm``): (src [R, N], var [R, 1], summed):
+    the rows it normalises (x's, or the residual sum written by the square pass: rounded to x's dtype for
+    "hf", fp32 for "vllm"), their mean squares (torch's mean, ``row_mean``'s bits), and that sum (None
+    without a residual; for "hf" it is the new residual)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
     rows = x2.shape[0]
@@ -171,16 +168,28 @@ def rms_norm(x, weight, eps, mode, residual=None, backend=None):
     if res2 is not None and res2.stride(-1) != 1:
         res2 = res2.contiguous()
     hf = mode == "hf"
-    # the pass before the mean: the rounded residual sum ("hf") or its fp32 value ("vllm"), and its squares
-    summed = None if res2 is None else torch.empty(rows, n, device=x.device,
-                                                   dtype=x.dtype if hf else torch.float32)
+    summed = None if res2 is None else torch.empty(rows, n, device=x.device, dtype=x.dtype if hf else torch.float32)
     sq = _squares_buffer(rows, n, x.device)
     if rows:
+        from ._triton_fused_ops import _square_kernel
         _launch(_square_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
                 0 if res2 is None else res2.stride(0), summed if summed is not None else sq, sq, n,
                 HAS_RES=res2 is not None, HF=hf, BLOCK=_block(n))
     var = sq.mean(-1, keepdim=True)[:rows]  # torch's reduction, on the reference's values (>= 16 rows)
-    src = x2 if summed is None else summed
+    return (x2 if summed is None else summed), var, summed
+
+
+def rms_norm(x, weight, eps, mode, residual=None, backend=None):
+    """See the module docstring."""
+    _check_mode(mode)
+    if not _use_triton(backend, x) or weight.dtype != x.dtype or x.shape[-1] != weight.shape[0] or \
+            (residual is not None and residual.dtype != x.dtype):
+        return rms_norm_reference(x, weight, eps, mode, residual)
+    from ._triton_fused_ops import _norm_tail_kernel
+
+    hf = mode == "hf"
+    src, var, summed = norm_prologue(x, mode, residual)
+    rows, n = src.shape
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     new_res = None if residual is None else (summed if hf else torch.empty_like(x))
     if rows:

@@ -148,10 +148,11 @@ def _draw_seed(generator) -> int:
 
 def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
           rounding="nearest", rht=False, generator=None, check=True, width=None, gather=None, groups=1,
-          codes=True, dq_dtype=None, silu=None) -> _Cast:
+          codes=True, dq_dtype=None, silu=None, norm=None) -> _Cast:
     """Formula "te" or "vllm" through the Triton kernels: x any strided 2D view, the operand per (width,
     gather), ``groups`` row groups with their own tensor amax (tensor scaling). ``silu`` (up, mode): the
-    operand is SiLU(x) * up (``quantize_silu_mul`` says where this is taken)."""
+    operand is SiLU(x) * up (``quantize_silu_mul`` says where this is taken). ``norm`` (var, weight, eps,
+    mode, y): the operand is the RMSNorm of x's rows, also stored in y (``quantize_rms_norm``)."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -216,13 +217,16 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
             num_warps=pwarps, enable_fp_fusion=False)
     elif r and cw:
         up = x if silu is None else silu[0]
+        var, w, eps, norm_mode, y = norm if norm is not None else (dummy, x, 0.0, None, x)
         K._cast_kernel[grid](
             x, gather_t, amax_t if amax_t is not None else dummy,
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,
             sdec_rows if sdec_rows is not None else dummy, sdec_groups,
             (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad, up,
-            *common, up.stride(0), rpg, seed, BR=br, BC=bc, GATHER=gather is not None, RHT=rht_mode,
-            TILE16=tile16, SILU_MUL=K.SILU_NONE if silu is None else {"hf": K.SILU_HF, "vllm": K.SILU_VLLM}[silu[1]],
+            var, w, y, *common, up.stride(0), rpg, seed, eps, BR=br, BC=bc, GATHER=gather is not None,
+            RHT=rht_mode, TILE16=tile16,
+            SILU_MUL=K.SILU_NONE if silu is None else {"hf": K.SILU_HF, "vllm": K.SILU_VLLM}[silu[1]],
+            NORM=K.NORM_NONE if norm is None else {"hf": K.NORM_HF, "vllm": K.NORM_VLLM}[norm_mode],
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
@@ -292,6 +296,37 @@ def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: 
         return quantize(silu_mul(gate, up, mode, backend=backend), check=check, backend=backend, **kw)
     _validate(gate, None, None, **kw)
     return _to_nvfp4(_cast(gate, check=check, silu=(up, mode), **kw), scaling)
+
+
+def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str, residual: torch.Tensor | None = None,
+                      formula: str = "te", tile=(1, 16), scaling: str = "tensor", amax=None,
+                      global_encode_scale=None, check: bool = True, backend: str | None = None):
+    """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm(x, weight, eps, mode, residual)`` and
+    ``quantize(y.reshape(-1, H), ...)`` of its result, bit for bit (nearest rounding, no RHT). Where the kernels
+    take it, the norm's last pass is the cast (one launch less; it still stores y for the norm's other
+    readers): formula "te" / "vllm", 1x16 blocks, row scaling of rows one program holds or static scaling,
+    BF16 / FP16 x with the weight in its dtype, and no residual in mode "vllm" (whose last pass also rounds
+    the residual); else the two calls."""
+    from .fused_ops import MODES, norm_prologue, rms_norm
+    kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
+              rounding="nearest", rht=False, generator=None)
+    if mode not in MODES:
+        raise ValueError(f"rms_norm mode {mode!r}: expected one of {MODES}")
+    fused = (_kernel_path(x, formula, backend) and tuple(tile) == (1, 16) and x.dim() >= 2
+             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+             and tuple(weight.shape) == tuple(x.shape[-1:])
+             and (residual is None or (mode == "hf" and residual.dtype == x.dtype))
+             and (scaling == "static" or (scaling == "row" and x.shape[-1] <= MAX_KP)))
+    if not fused:
+        out = rms_norm(x, weight, eps, mode, residual=residual, backend=backend)
+        y = out if residual is None else out[0]
+        a = quantize(y.reshape(-1, y.shape[-1]), check=check, backend=backend, **kw)
+        return (y, a) if residual is None else (y, out[1], a)
+    src, var, summed = norm_prologue(x, mode, residual)
+    _validate(src, None, None, **kw)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    a = _to_nvfp4(_cast(src, check=check, norm=(var, weight.contiguous(), eps, mode, y), **kw), scaling)
+    return (y, a) if residual is None else (y, summed.view(x.shape), a)
 
 
 def quantize_dequantize(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, formula: str = "te",

@@ -45,6 +45,15 @@ def quantize_activation_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str
     return kernels.quantize_silu_mul(gate, up, mode, check=False, **_static_kwargs(spec, static_scale))
 
 
+def quantize_activation_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str, spec: QuantSpec,
+                                 static_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+    """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm`` and ``quantize_activation`` of its output
+    (as [tokens, K]) bit for bit, the norm's last pass being the cast on CUDA (``kernels.quantize_rms_norm``):
+    a norm whose next linear is NVFP4, one launch less."""
+    return kernels.quantize_rms_norm(x, weight, eps, mode, residual, check=False,
+                                     **_static_kwargs(spec, static_scale))
+
+
 def qdq_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale=None, out_dtype=torch.bfloat16
                    ) -> torch.Tensor:
     """The values the emulated GEMM multiplies: ``nvfp4.dequantize(quantize_activation(...)).to(out_dtype)``
@@ -64,10 +73,12 @@ def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=
 
 
 def nvfp4_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, act: QuantSpec, gemm: str,
-                 static_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for x [..., K] with an already-quantized weight [N, K]; returns x.dtype."""
+                 static_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 codes: nvfp4.NVFP4Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [..., K] with an already-quantized weight [N, K]; returns x.dtype.
+    ``codes``: x [tokens, K] already quantized as ``act`` says (by the pass that made x), used as they are."""
     lead, k = x.shape[:-1], x.shape[-1]
-    a = quantize_activation(x.reshape(-1, k), act, static_scale)
+    a = codes if codes is not None else quantize_activation(x.reshape(-1, k), act, static_scale)
     if bias is None:  # the epilogue rounds its fp32 result to x.dtype: the bits of .to(x.dtype), one launch less
         return nvfp4_gemm(a, w, gemm, out_dtype=x.dtype).reshape(*lead, w.shape[0])
     y = nvfp4_gemm(a, w, gemm, out_dtype=torch.float32) + bias.float()

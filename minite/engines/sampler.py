@@ -167,12 +167,12 @@ class Sampler:
             raise ValueError(f"{t} positions exceed the sampler's max_seq_len={self.max_seq_len}")
         return torch.arange(t, device=self.device)[None, :].expand(b, t)
 
-    def _attention(self, li, lw, x, pos, slots, rope, decode, calib, valid):
-        """x [B, T, H] at positions pos [B, T] of cache slots [B] (``rope``: their rotary tables). ``decode``:
-        (slot ids, sequence lengths) as int32 for one token per sequence against its cache row; else a
-        prefill from position 0."""
+    def _attention(self, li, lw, x, pos, slots, rope, decode, calib, valid, codes=None):
+        """x [B, T, H] at positions pos [B, T] of cache slots [B] (``rope``: their rotary tables; ``codes``:
+        x's, if its norm made them). ``decode``: (slot ids, sequence lengths) as int32 for one token per
+        sequence against its cache row; else a prefill from position 0."""
         b, t, _ = x.shape
-        qkv = ops.linear(x, lw.qkv, self.recipe, calib, valid)
+        qkv = ops.linear(x, lw.qkv, self.recipe, calib, valid, codes=codes)
         nq = self.n_q * self.head_dim
         kc, vc = self._cache[0][li], self._cache[1][li]            # [slots, kv, S, D]
         # q_norm / k_norm, rotary, and the keys and values into the cache at (slot, position), fused
@@ -193,11 +193,11 @@ class Sampler:
                                                    attn_mask=keep, scale=self.scaling).transpose(1, 2)
         return ops.linear(o.reshape(b, t, nq), lw.o, self.recipe, calib, valid)
 
-    def _mlp(self, lw, x, calib, valid, cap):
+    def _mlp(self, lw, x, calib, valid, cap, codes=None):
         b, t, h = x.shape
         x2 = x.reshape(-1, h)
         if lw.experts is None:  # a dense layer (mlp_only_layers / decoder_sparse_step)
-            gate, up = ops.linear(x2, lw.gate_up, self.recipe, calib, valid).chunk(2, dim=-1)
+            gate, up = ops.linear(x2, lw.gate_up, self.recipe, calib, valid, codes=codes).chunk(2, dim=-1)
             return ops.linear(ops.silu_mul(gate, up, self.recipe.non_gemm), lw.down, self.recipe, calib,
                               valid).reshape(b, t, h)
         logits = ops.linear(x2, lw.router, self.recipe, calib, valid, out_dtype=torch.float32)  # softmax's input
@@ -205,7 +205,7 @@ class Sampler:
                                  self.recipe.non_gemm, dtype=x.dtype)
         cap("router_logits", logits.to(x.dtype).reshape(b, t, -1))
         cap("topk", idx.reshape(b, t, -1))
-        return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid).reshape(b, t, h)
+        return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid, codes=codes).reshape(b, t, h)
 
     def _layers(self, ids, pos, slots, decode=None, capture=None, calib=None, valid=None):
         """ids [B, T] at positions pos [B, T] of cache slots [B] -> (residual stream, last block's output)
@@ -219,14 +219,15 @@ class Sampler:
             def cap(op, tensor, _li=li):
                 if capture is not None:
                     capture(_li, op, pos, tensor)
+            # each norm's output is the input of NVFP4 linears: its last pass may also write their codes
             if pending is None:
-                x = ops.rms_norm(h, lw.input_norm, self.eps, mode)
+                x, _, codes = ops.rms_norm_for_linears(h, lw.input_norm, self.eps, self.recipe, calib=calib)
             else:
-                x, h = ops.add_rms_norm(pending, h, lw.input_norm, self.eps, mode)
-            a = self._attention(li, lw, x, pos, slots, rope, decode, calib, valid)
+                x, h, codes = ops.rms_norm_for_linears(pending, lw.input_norm, self.eps, self.recipe, h, calib)
+            a = self._attention(li, lw, x, pos, slots, rope, decode, calib, valid, codes)
             cap("attn_out", a)
-            x, h = ops.add_rms_norm(a, h, lw.post_norm, self.eps, mode)
-            pending = self._mlp(lw, x, calib, valid, cap)
+            x, h, codes = ops.rms_norm_for_linears(a, lw.post_norm, self.eps, self.recipe, h, calib)
+            pending = self._mlp(lw, x, calib, valid, cap, codes)
             cap("moe_out", pending)
             if capture is not None:  # the layer's output residual stream, as the next fused op will store it
                 cap("residual", h + pending if mode == "hf" else (h.float() + pending.float()).to(h.dtype))

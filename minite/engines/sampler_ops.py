@@ -33,6 +33,7 @@ from minite.engines.gemm import (
     nvfp4_linear,
     qdq_activation,
     quantize_activation,
+    quantize_activation_rms_norm,
     quantize_activation_silu_mul,
 )
 from minite.engines.sampler_weights import FP4_E4M3_RANGE, Experts, Lin, static_scale  # noqa: F401
@@ -53,6 +54,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(norm(residual + x), residual + x). "hf": BF16 add, then the norm of the rounded sum (transformers'
     decoder layer); "vllm": the sum stays fp32 inside the fused op, only the stored residual is rounded."""
     return fused_ops.rms_norm(x, weight, eps, mode, residual=residual)
+
+
+def norm_codes_reused(recipe: EngineRecipe, calib: Calibrator | None) -> bool:
+    """Whether every NVFP4 linear of the recipe quantizes its input the same way whichever linear it is: the
+    kernel path with per-row scales (no per-linear static scale; no calibration pass, which records the
+    unquantized input). Then a norm's last pass can write its output's codes once for the linears after it."""
+    return calib is None and recipe.gemm == "kernel" and recipe.activations.scaling == "row"
+
+
+def rms_norm_for_linears(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe: EngineRecipe,
+                         residual: torch.Tensor | None = None, calib: Calibrator | None = None):
+    """(y, residual + x or None, y's codes or None): ``rms_norm`` / ``add_rms_norm`` for a norm whose output
+    NVFP4 linears read next. Where ``norm_codes_reused``, the norm's last pass is their activation cast
+    (``kernels.quantize_rms_norm``, bit for bit the two calls; one launch less) and the linears take the codes
+    (``linear(..., codes=)``, ``moe(..., codes=)``); else codes is None and each linear quantizes y."""
+    mode = recipe.non_gemm
+    if not norm_codes_reused(recipe, calib):
+        out = fused_ops.rms_norm(x, weight, eps, mode, residual=residual)
+        return (out, None, None) if residual is None else (*out, None)
+    out = quantize_activation_rms_norm(x, weight, eps, mode, recipe.activations, residual=residual)
+    return (out[0], None, out[1]) if residual is None else out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str) -> torch.Tensor:
@@ -127,18 +149,20 @@ def _scale(host: float | None, amax, recipe: EngineRecipe, name: str):
 
 
 def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | None = None,
-           valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           codes: nvfp4.NVFP4Tensor | None = None) -> torch.Tensor:
     """y = x W^T. BF16 weights: a plain BF16 matmul. NVFP4: ``nvfp4_linear`` per the recipe (the emulated
     path multiplies by the weight's cached BF16 dequantization, the same values). During calibration the
     activation is left unquantized (ModelOpt calibrates with input quantizers collecting, not quantizing):
-    x @ dequantize(W)^T in BF16. ``out_dtype`` (float32): the BF16 result's values, stored wider."""
+    x @ dequantize(W)^T in BF16. ``out_dtype`` (float32): the BF16 result's values, stored wider. ``codes``:
+    x's codes from ``rms_norm_for_linears`` (read by NVFP4 weights on the kernel path instead of a cast)."""
     if not lin.quantized:
         return hp_linear(x, lin.weight, recipe.hp_gemm == "invariant", out_dtype=out_dtype)
-    y = _quantized_linear(x, lin, recipe, calib, valid)
+    y = _quantized_linear(x, lin, recipe, calib, valid, codes)
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def _quantized_linear(x, lin, recipe, calib, valid):
+def _quantized_linear(x, lin, recipe, calib, valid, codes=None):
     if calib is not None:
         calib.record(lin.name, x.reshape(-1, x.shape[-1]), valid)
         return F.linear(x, nvfp4.dequantize(lin.q).to(x.dtype))
@@ -148,7 +172,7 @@ def _quantized_linear(x, lin, recipe, calib, valid):
         y = F.linear(qdq_activation(x.reshape(-1, k), recipe.activations, scale), lin.deq)
         return y.to(x.dtype).reshape(*lead, lin.deq.shape[0])
     w = lin.decode if recipe.gemm == "kernel" and lin.decode is not None else lin.q
-    return nvfp4_linear(x, w, recipe.activations, recipe.gemm, scale)
+    return nvfp4_linear(x, w, recipe.activations, recipe.gemm, scale, codes=codes)
 
 
 # ------------------------------------------------------------------------------------------------ experts
@@ -182,13 +206,14 @@ def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
                    calib: Calibrator | None = None, valid: torch.Tensor | None = None,
                    dequantized=None, act_scale: float | None = None, rows: torch.Tensor | None = None,
-                   silu_mode: str | None = None) -> torch.Tensor:
+                   silu_mode: str | None = None, codes: nvfp4.NVFP4Tensor | None = None) -> torch.Tensor:
     """Rows of xs [S, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1]. Returns [S, N].
     ``rows`` [S]: the sorted rows are xs[rows] (xs then holds each token once). ``silu_mode``: xs is a
     gate_up output [S, 2K] and the input is silu_mul(gate, up, silu_mode). On the kernel path with per-row or
     static activation scales (a row's codes do not depend on the other rows) the tokens are quantized once
     and the grouped kernel reads their rows in place (the codes of xs[rows], without the gathered copy), and
-    the SiLU * up is computed inside the cast pass; every other path gathers / applies it first.
+    the SiLU * up is computed inside the cast pass; every other path gathers / applies it first. ``codes``:
+    xs's codes from ``rms_norm_for_linears``, read in place of that cast.
     ``weights``: BF16 [E, N, K], a list of E NVFP4Tensors, or their ``NVFP4Experts`` stack (what the grouped
     kernel reads). ``dequantized()``: the stacked BF16 values of NVFP4 ``weights`` for the "emulated" path.
     ``act_scale``: the static activation scale as a host number (else computed from ``amax``). Without
@@ -200,6 +225,8 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
         xs, silu_mode = silu_mul(*xs.chunk(2, dim=-1), silu_mode), None
     if rows is not None and not in_place:
         xs, rows = xs[rows], None
+    if codes is not None and in_place:  # xs's codes, made by the norm before (row scales: the same bits)
+        return kernels.grouped_nvfp4_gemm(codes, weights, offsets, out_dtype=xs.dtype, rows=rows)
     if kernel:
         scale = _scale(act_scale, amax, recipe, name)
         a = (quantize_activation(xs, recipe.activations, scale) if silu_mode is None else
@@ -243,15 +270,17 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str, dtype: t
 
 
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
-        calib: Calibrator | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+        calib: Calibrator | None = None, valid: torch.Tensor | None = None,
+        codes: nvfp4.NVFP4Tensor | None = None) -> torch.Tensor:
     """Routed experts for tokens x [T, H]: rows sorted by expert, two grouped GEMMs, weighted k-sum. The
-    sort and the expert offsets stay on the device (bincount would read its size back)."""
+    sort and the expert offsets stay on the device (bincount would read its size back). ``codes``: x's codes
+    (``rms_norm_for_linears``), which the gate_up GEMM reads."""
     perm, rows, offsets = fused_ops.sort_by_expert(idx, experts.num_experts)  # a stable sort by expert
     vrows = None if valid is None else valid[rows]
     stacked = experts.stacked if calib is None else {}
     h = grouped_linear(x, stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
                        f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"),
-                       experts.act_scale.get("gate_up"), rows=rows)
+                       experts.act_scale.get("gate_up"), rows=rows, codes=codes)
     y = grouped_linear(h, stacked.get("down", experts.down), offsets, recipe, experts.down_amax,
                        f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
                        experts.act_scale.get("down"), silu_mode=recipe.non_gemm)  # input SiLU(gate) * up
