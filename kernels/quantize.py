@@ -298,8 +298,8 @@ def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: 
     return _to_nvfp4(_cast(gate, check=check, silu=(up, mode), **kw), scaling)
 
 
-def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str, residual: torch.Tensor | None = None,
-                      formula: str = "te", tile=(1, 16), scaling: str = "tensor", amax=None,
+def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
+                      residual: torch.Tensor | None = None, formula: str = "te", tile=(1, 16), scaling: str = "tensor", amax=None,
                       global_encode_scale=None, check: bool = True, backend: str | None = None):
     """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm(x, weight, eps, mode, residual)`` and
     ``quantize(y.reshape(-1, H), ...)`` of its result, bit for bit (nearest rounding, no RHT). Where the kernels

@@ -10,8 +10,14 @@ import itertools
 
 import pytest
 import torch
-from minite.kernels import (checks, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
-                            quantize_weight_groups)
+from minite.kernels import (
+    checks,
+    quantize,
+    quantize_dequantize,
+    quantize_rms_norm,
+    quantize_silu_mul,
+    quantize_weight_groups,
+)
 from minite.kernels.checks import check_fused_quantizers, same_bits, same_nvfp4, spread_input
 
 from minite import nvfp4 as ref
@@ -218,13 +224,14 @@ def test_rms_norm_cast_has_no_separate_norm_tail(monkeypatch):
     """Where the cast takes the norm (row scaling, "hf" with a residual), neither the norm's own last pass
     nor a second quantize runs; a "vllm" residual (its last pass rounds the residual too) takes the two calls."""
     import importlib
+
     from minite.kernels import fused_ops
     quantize_module = importlib.import_module("minite.kernels.quantize")  # the package's name is the function
     x, r = spread_input(5, 64, "cpu", torch.bfloat16, seed=3), spread_input(5, 64, "cpu", torch.bfloat16, seed=4)
     w = torch.ones(64, dtype=torch.bfloat16)
     calls = []
     monkeypatch.setattr(fused_ops, "rms_norm", lambda *a, **k: calls.append("norm") or (x, r))
-    monkeypatch.setattr(quantize_module, "quantize", lambda *a, **k: calls.append("quantize"))
+    monkeypatch.setattr(qmod, "quantize", lambda *a, **k: calls.append("quantize"))
     quantize_rms_norm(x, w, 1e-6, "hf", r, scaling="row", backend="triton")
     assert not calls
     quantize_rms_norm(x, w, 1e-6, "vllm", r, scaling="row", backend="triton")
