@@ -300,6 +300,7 @@ _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then
 
 
 GROUPED_RESIDENT_CTAS = 264  # 4-warp decode CTAs resident at once on the H200 (2 per SM x 132 SMs)
+GROUPED_THREE_PER_SM_CTAS = 396  # 3 per SM: the 168-register row-group build, where shared memory allows
 
 
 def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
@@ -317,14 +318,21 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     fills them: NT = 4 from 32 rows per expert, NT = 2 from 8 (H200 sweep, NT 1-4 x RG x W x D x CTAS, all
     bitwise equal; gate_up 512x1024 at 256 tokens 36.7 -> 22.5 us, down 1024x256 33.5 -> 15.6 us; at 64
     tokens 16.7 -> 10.2 and 14.5 -> 10.1). Where RG > 1 fills the GPU, NT = 1 stays: Qwen3-30B-A3B's down
-    2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8."""
+    2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8.
+    Short K at RG = 8 with fewer than 4 rows per expert (a down projection at 12-48 tokens) runs 396 CTAs,
+    three per SM (the row-group build holds 168 registers; a down CTA's 57.5 KB of shared memory fits three
+    times): H200, CUDA-graph medians, bitwise equal, down 2048x768 against 264 CTAs: 12 tokens 40.2 -> 33.8 us,
+    16 tokens 46.5 -> 34.6, 24-48 tokens ~48.4 -> ~46.0; at 64 tokens (4 rows per expert) 48.7 -> 53.1 and at
+    8 tokens (RG = 4) 26.3 -> 28.1, so those keep 264; gate_up (K 2048, 77.6 KB: two CTAs fit) at 16 tokens
+    56.5 -> 58.1."""
     from ._cuda_decode import ROWS_PER_WARP, STEP_K
     short = 0 < k <= 8 * STEP_K
     rg = 8 if short else 4
     while rg > 1 and min(m, e) * -(-(n // ROWS_PER_WARP) // (4 * rg)) < GROUPED_RESIDENT_CTAS:
         rg //= 2
     if rg > 1:
-        return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg, CTAS=GROUPED_RESIDENT_CTAS)
+        ctas = GROUPED_THREE_PER_SM_CTAS if short and rg == 8 and m < 4 * e else GROUPED_RESIDENT_CTAS
+        return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg, CTAS=ctas)
     if short and m >= 32 * e:
         return dict(variant="cuda", NT=4, W=8, D=4, SEG=0, RG=4, CTAS=2 * GROUPED_RESIDENT_CTAS)
     if short and m >= 8 * e:

@@ -227,6 +227,10 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G.grouped_cuda_config(512, 128, 2048, 1536)["RG"] == 4
     assert G.grouped_cuda_config(512, 128, 768, 2048)["RG"] == 8
     assert G.grouped_cuda_config(64, 128, 768, 2048)["RG"] == 4
+    # three CTAs per SM for short K at RG 8 below 4 rows per expert (down at 16 tokens), not at 64 tokens
+    assert G.grouped_cuda_config(128, 128, 768, 2048)["CTAS"] == G.GROUPED_THREE_PER_SM_CTAS
+    assert G.grouped_cuda_config(512, 128, 768, 2048)["CTAS"] == G.GROUPED_RESIDENT_CTAS
+    assert G.grouped_cuda_config(128, 128, 2048, 1536)["CTAS"] == G.GROUPED_RESIDENT_CTAS
     assert G.grouped_cuda_config(8, 128, 2048, 1536).get("RG", 1) == 1
     assert G.grouped_cuda_config(8, 128, 768, 2048) == dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
     # short K and many rows per expert (small model, 32 experts top-4): NT token tiles share the weight steps
