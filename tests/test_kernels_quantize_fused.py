@@ -223,10 +223,7 @@ def test_rms_norm_inside_the_cast_is_the_reference():
 def test_rms_norm_cast_has_no_separate_norm_tail(monkeypatch):
     """Where the cast takes the norm (row scaling, "hf" with a residual), neither the norm's own last pass
     nor a second quantize runs; a "vllm" residual (its last pass rounds the residual too) takes the two calls."""
-    import importlib
-
     from minite.kernels import fused_ops
-    quantize_module = importlib.import_module("minite.kernels.quantize")  # the package's name is the function
     x, r = spread_input(5, 64, "cpu", torch.bfloat16, seed=3), spread_input(5, 64, "cpu", torch.bfloat16, seed=4)
     w = torch.ones(64, dtype=torch.bfloat16)
     calls = []
