@@ -1,6 +1,8 @@
 """The sampler's fast decode path: capture sizes, a step that reads nothing back to the host, rows leaving the
 running batch without changing any sequence, trainer == sampler bit for bit in the aligned arm, large
 vocabularies, in-place weight updates; on the GPU, graph == eager bit for bit for every arm."""
+import functools
+
 import pytest
 import torch
 from test_sampler import PROMPTS, make_sampler, tiny_hf_model
@@ -177,6 +179,41 @@ def test_route_keeps_the_activation_dtype_for_fp32_logits():
     w, idx = ops.route(logits, 4, True, "hf")
     w32, idx32 = ops.route(logits.float(), 4, True, "hf", dtype=torch.bfloat16)
     assert w.dtype == w32.dtype == torch.bfloat16 and torch.equal(w, w32) and torch.equal(idx, idx32)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_codes_are_each_linears_own_cast(monkeypatch, with_residual):
+    """miniTE's sampler (kernel GEMMs, per-row scales): a norm's last pass writes its output's codes (the
+    fused cast, under the interpreter), and the linears and experts after it give the same bits with those
+    codes as with their own cast; with an emulated GEMM or during calibration the norm makes no codes."""
+    from minite import kernels, nvfp4
+    from minite.engines.sampler_weights import Lin
+    from minite.kernels import fused_ops
+    from minite.kernels.checks import same_nvfp4, spread_input
+
+    recipe = load_arm("minite_nvfp4").sampler
+    monkeypatch.setenv("MINITE_KERNELS_BACKEND", "triton")  # the Triton casts, interpreted on CPU
+    for name in ("nvfp4_gemm", "grouped_nvfp4_gemm"):  # the W4A4 GEMMs: their exact CPU path
+        monkeypatch.setattr(kernels, name, functools.partial(getattr(kernels, name), backend="torch"))
+    x = spread_input(6, 64, "cpu", torch.bfloat16, seed=1).reshape(2, 3, 64)
+    res = spread_input(6, 64, "cpu", torch.bfloat16, seed=2).reshape(2, 3, 64) if with_residual else None
+    w = spread_input(1, 64, "cpu", torch.bfloat16, seed=3)[0].abs() + 0.5
+    y, new_res, codes = ops.rms_norm_for_linears(x, w, 1e-6, recipe, res)
+    want = fused_ops.rms_norm(x, w, 1e-6, recipe.non_gemm, residual=res)
+    want_y = want[0] if with_residual else want
+    assert torch.equal(y, want_y) and (new_res is None) == (res is None)
+    assert res is None or torch.equal(new_res, want[1])
+    own = ops.quantize_activation(want_y.reshape(-1, 64), recipe.activations)
+    assert codes is not None and same_nvfp4(codes, own)
+    lin = Lin("q", q=nvfp4.quantize(spread_input(32, 64, "cpu", torch.float32, seed=4), tile=(16, 16)))
+    assert torch.equal(ops.linear(y, lin, recipe, codes=codes), ops.linear(y, lin, recipe))
+    ex = kernels.stack_experts([nvfp4.quantize(spread_input(32, 64, "cpu", torch.float32, seed=5 + e),
+                                               tile=(16, 16)) for e in range(3)])
+    rows, offsets = torch.tensor([0, 4, 1, 5, 2]), torch.tensor([0, 2, 2, 5])
+    args = (y.reshape(-1, 64), ex, offsets, recipe, None, "experts.gate_up")
+    assert torch.equal(ops.grouped_linear(*args, rows=rows, codes=codes), ops.grouped_linear(*args, rows=rows))
+    assert ops.rms_norm_for_linears(x, w, 1e-6, recipe, res, calib=ops.Calibrator())[2] is None
+    assert ops.rms_norm_for_linears(x, w, 1e-6, load_arm("naive_te_nvfp4").sampler, res)[2] is None
 
 
 def test_sample_tokens_inverse_cdf():
