@@ -186,10 +186,11 @@ def test_norm_codes_are_each_linears_own_cast(monkeypatch, with_residual):
     """miniTE's sampler (kernel GEMMs, per-row scales): a norm's last pass writes its output's codes (the
     fused cast, under the interpreter), and the linears and experts after it give the same bits with those
     codes as with their own cast; with an emulated GEMM or during calibration the norm makes no codes."""
-    from minite import kernels, nvfp4
-    from minite.engines.sampler_weights import Lin
     from minite.kernels import fused_ops
     from minite.kernels.checks import same_nvfp4, spread_input
+
+    from minite import kernels, nvfp4
+    from minite.engines.sampler_weights import Lin
 
     recipe = load_arm("minite_nvfp4").sampler
     monkeypatch.setenv("MINITE_KERNELS_BACKEND", "triton")  # the Triton casts, interpreted on CPU
