@@ -107,7 +107,9 @@ __device__ __forceinline__ uint32_t high_nibbles(uint32_t x) {  // high bytes of
 }
 // the same high bytes from a fragment-order word (even elements in place, odd ones as sign | mag << 4)
 __device__ __forceinline__ uint32_t frag_evens(uint32_t y) { return y & 0x8E8E8E8Eu; }
-__device__ __forceinline__ uint32_t frag_odds(uint32_t y) { return ((y >> 3) & 0x0E0E0E0Eu) | ((y << 7) & 0x80808080u); }
+__device__ __forceinline__ uint32_t frag_odds(uint32_t y) {
+  return ((y >> 3) & 0x0E0E0E0Eu) | ((y << 7) & 0x80808080u);
+}
 // fp16x2 {B0, B1} / {B2, B3} of such high bytes
 __device__ __forceinline__ uint32_t pair01(uint32_t h) { return __byte_perm(h, 0u, 0x1404); }
 __device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0u, 0x3424); }
@@ -541,7 +543,8 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
       issue_next();
       cp_async_wait<D - 3>();  // my steps <= j + 2 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
-      gather_step<FRAG>(ring + ((j + 2) & (D - 1)) * kSlotBytes, g, t, lane, w_next);  // stale (unused) past my last step
+      // stale (unused) past my last step
+      gather_step<FRAG>(ring + ((j + 2) & (D - 1)) * kSlotBytes, g, t, lane, w_next);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
 #pragma unroll
@@ -614,7 +617,8 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
             const int q = s0 >> lcs;
 #pragma unroll
             for (int jt = 0; jt < NT; ++jt)
-              sums[((q * R + rg) * 32 + lane) * NT + jt] = make_float4(part[jt][0], part[jt][1], part[jt][2], part[jt][3]);
+              sums[((q * R + rg) * 32 + lane) * NT + jt] =
+                  make_float4(part[jt][0], part[jt][1], part[jt][2], part[jt][3]);
           }
         } else {
           if (s1 >= nsteps) break;
