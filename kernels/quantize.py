@@ -301,7 +301,7 @@ def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: 
 def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
                       residual: torch.Tensor | None = None, formula: str = "te", tile=(1, 16),
                       scaling: str = "tensor", amax=None, global_encode_scale=None, check: bool = True,
-                      backend: str | None = None):
+                      backend: str | None = None) -> tuple:
     """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm(x, weight, eps, mode, residual)`` and
     ``quantize(y.reshape(-1, H), ...)`` of its result, bit for bit (nearest rounding, no RHT). Where the kernels
     take it, the norm's last pass is the cast (one launch less; it still stores y for the norm's other

@@ -19,7 +19,7 @@ from minite import kernels, nvfp4
 from minite.engines.arms import QuantSpec
 
 
-def _static_kwargs(spec: QuantSpec, static_scale) -> dict:
+def _static_kwargs(spec: QuantSpec, static_scale: torch.Tensor | float | None) -> dict:
     """The quantizer arguments of an activation spec, with its static scale where it has one."""
     kw = spec.quantize_kwargs()
     if spec.scaling == "static":
@@ -46,7 +46,8 @@ def quantize_activation_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str
 
 
 def quantize_activation_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str, spec: QuantSpec,
-                                 static_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+                                 static_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                                 ) -> tuple:
     """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm`` and ``quantize_activation`` of its output
     (as [tokens, K]) bit for bit, the norm's last pass being the cast on CUDA (``kernels.quantize_rms_norm``):
     a norm whose next linear is NVFP4, one launch less."""
@@ -54,15 +55,16 @@ def quantize_activation_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: flo
                                      **_static_kwargs(spec, static_scale))
 
 
-def qdq_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale=None, out_dtype=torch.bfloat16
-                   ) -> torch.Tensor:
+def qdq_activation(x2d: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | float | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The values the emulated GEMM multiplies: ``nvfp4.dequantize(quantize_activation(...)).to(out_dtype)``
     bit for bit, written by the cast pass itself (one launch on CUDA instead of a cast and a multi-pass
     dequantize)."""
     return kernels.quantize_dequantize(x2d, out_dtype, check=False, **_static_kwargs(spec, static_scale))
 
 
-def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype=torch.bfloat16) -> torch.Tensor:
+def nvfp4_gemm(a: nvfp4.NVFP4Tensor, w: nvfp4.NVFP4Tensor, gemm: str, out_dtype: torch.dtype = torch.bfloat16
+               ) -> torch.Tensor:
     """a @ w.T on the chosen path."""
     if gemm == "emulated":
         return torch.matmul(nvfp4.dequantize(a).to(torch.bfloat16), nvfp4.dequantize(w).to(torch.bfloat16).T
