@@ -275,6 +275,20 @@ def quantize(x: torch.Tensor, formula: str = "te", tile=(1, 16), scaling: str = 
     return _to_nvfp4(cast, scaling)
 
 
+def _producer_kwargs(formula, tile, scaling, amax, global_encode_scale) -> dict:
+    """The quantizer arguments of a cast with a fused producer: nearest rounding, no RHT."""
+    return dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
+                rounding="nearest", rht=False, generator=None)
+
+
+def _producer_fits(x, formula, tile, scaling, backend) -> bool:
+    """Whether the cast kernel can compute its operand from ``x`` as it loads it (``SILU_MUL``, ``NORM``):
+    formula "te" / "vllm" on the Triton path, 1x16 blocks, BF16 / FP16 input, and static scales or per-row
+    scales of rows one program holds."""
+    return (_kernel_path(x, formula, backend) and tuple(tile) == (1, 16) and x.dtype in (torch.bfloat16, torch.float16)
+            and (scaling == "static" or (scaling == "row" and x.shape[-1] <= MAX_KP)))
+
+
 def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: str = "te", tile=(1, 16),
                       scaling: str = "tensor", amax=None, global_encode_scale=None, check: bool = True,
                       backend: str | None = None) -> ref.NVFP4Tensor:
@@ -283,15 +297,11 @@ def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: 
     it, i.e. formula "te" / "vllm", 1x16 blocks, row scaling of rows one program holds or static scaling,
     gate / up 2D BF16 / FP16 views with contiguous rows (the two halves of a gate_up output); else the two
     calls."""
-    from .fused_ops import MODES, silu_mul
-    kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
-              rounding="nearest", rht=False, generator=None)
-    if mode not in MODES:
-        raise ValueError(f"silu_mul mode {mode!r}: expected one of {MODES}")
-    fused = (_kernel_path(gate, formula, backend) and tuple(tile) == (1, 16) and gate.dim() == 2
-             and gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in (torch.bfloat16, torch.float16)
-             and gate.stride(1) == 1 and up.stride(1) == 1
-             and (scaling == "static" or (scaling == "row" and gate.shape[1] <= MAX_KP)))
+    from .fused_ops import _check_mode, silu_mul
+    _check_mode(mode)
+    kw = _producer_kwargs(formula, tile, scaling, amax, global_encode_scale)
+    fused = (_producer_fits(gate, formula, tile, scaling, backend) and gate.dim() == 2 and gate.shape == up.shape
+             and gate.dtype == up.dtype and gate.stride(1) == 1 and up.stride(1) == 1)
     if not fused:
         return quantize(silu_mul(gate, up, mode, backend=backend), check=check, backend=backend, **kw)
     _validate(gate, None, None, **kw)
@@ -308,16 +318,12 @@ def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: s
     readers): formula "te" / "vllm", 1x16 blocks, row scaling of rows one program holds or static scaling,
     BF16 / FP16 x with the weight in its dtype, and no residual in mode "vllm" (whose last pass also rounds
     the residual); else the two calls."""
-    from .fused_ops import MODES, norm_prologue, rms_norm
-    kw = dict(formula=formula, tile=tile, scaling=scaling, amax=amax, global_encode_scale=global_encode_scale,
-              rounding="nearest", rht=False, generator=None)
-    if mode not in MODES:
-        raise ValueError(f"rms_norm mode {mode!r}: expected one of {MODES}")
-    fused = (_kernel_path(x, formula, backend) and tuple(tile) == (1, 16) and x.dim() >= 2
-             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    from .fused_ops import _check_mode, norm_prologue, rms_norm
+    _check_mode(mode)
+    kw = _producer_kwargs(formula, tile, scaling, amax, global_encode_scale)
+    fused = (_producer_fits(x, formula, tile, scaling, backend) and x.dim() >= 2 and weight.dtype == x.dtype
              and tuple(weight.shape) == tuple(x.shape[-1:])
-             and (residual is None or (mode == "hf" and residual.dtype == x.dtype))
-             and (scaling == "static" or (scaling == "row" and x.shape[-1] <= MAX_KP)))
+             and (residual is None or (mode == "hf" and residual.dtype == x.dtype)))
     if not fused:
         out = rms_norm(x, weight, eps, mode, residual=residual, backend=backend)
         y = out if residual is None else out[0]

@@ -46,10 +46,6 @@ ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa 
 # ------------------------------------------------------------------------------------------- norms / act
 # Each op is ``minite.kernels.fused_ops``: fused Triton passes on CUDA, bit for bit the op-by-op reference
 # (which is what runs on CPU); reductions stay torch's own kernels.
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str) -> torch.Tensor:
-    return fused_ops.rms_norm(x, weight, eps, mode)
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
     """(norm(residual + x), residual + x). "hf": BF16 add, then the norm of the rounded sum (transformers'
     decoder layer); "vllm": the sum stays fp32 inside the fused op, only the stored residual is rounded."""
