@@ -171,23 +171,32 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
 
 
 @triton.jit
-def decode_f16_kernel(codes, scales, out, R, K, BR: tl.constexpr, BK: tl.constexpr):
-    """[R, K] NVFP4 -> fp16 [R, cdiv(K, BK) * BK] in the GEMM's K order: each BK step stores its even-K
-    values, then its odd-K values (zero padded), each value e2m1 * scale * 2**-14 exactly."""
+def _decode_step_rows(codes, scales, out, R, K, out_pitch, src0, blocks0, n_blocks, k0, BR: tl.constexpr,
+                      BK: tl.constexpr):
+    """Program axis 0's BR rows: the BK source columns from ``src0`` (16-blocks blocks0 + j real while below
+    ``n_blocks``, the rest zero) -> out[:, k0 : k0 + BK] (row pitch ``out_pitch``): the step's even-K values,
+    then its odd-K values, each e2m1 * scale * 2**-14 exactly."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    k0 = tl.program_id(1) * BK
     rmask = rows < R
     rows64 = rows.to(tl.int64)
     j = tl.arange(0, BK // 16)
     t = tl.arange(0, 8)
     h = tl.arange(0, BK // 2)
-    kmask = (k0 // 16 + j) < K // 16
-    c_ptrs = codes + rows64[:, None, None] * (K // 2) + k0 // 2 + (j[:, None] * 8 + t[None, :])[None, :, :]
-    s_ptrs = scales + rows64[:, None] * (K // 16) + k0 // 16 + j[None, :]
+    kmask = (blocks0 + j) < n_blocks
+    c_ptrs = codes + rows64[:, None, None] * (K // 2) + src0 // 2 + (j[:, None] * 8 + t[None, :])[None, :, :]
+    s_ptrs = scales + rows64[:, None] * (K // 16) + src0 // 16 + j[None, :]
     lo, hi = _decode(c_ptrs, s_ptrs, rmask[:, None, None] & kmask[None, :, None], rmask[:, None] & kmask[None, :])
-    o = out + rows64[:, None] * (tl.cdiv(K, BK) * BK) + k0 + h[None, :]
+    o = out + rows64[:, None] * out_pitch + k0 + h[None, :]
     tl.store(o, lo, mask=rmask[:, None])
     tl.store(o + BK // 2, hi, mask=rmask[:, None])
+
+
+@triton.jit
+def decode_f16_kernel(codes, scales, out, R, K, BR: tl.constexpr, BK: tl.constexpr):
+    """[R, K] NVFP4 -> fp16 [R, cdiv(K, BK) * BK] in the GEMM's K order: each BK step stores its even-K
+    values, then its odd-K values (zero padded), each value e2m1 * scale * 2**-14 exactly."""
+    k0 = tl.program_id(1) * BK
+    _decode_step_rows(codes, scales, out, R, K, tl.cdiv(K, BK) * BK, k0, k0 // 16, K // 16, k0, BR, BK)
 
 
 @triton.jit
@@ -216,16 +225,4 @@ def decode_f16_segments_kernel(codes, scales, ends_ptr, out, ends_out_ptr, R, K,
     local = k0 - tl.sum(tl.where(pick, cends - steps, 0), 0)
     src0 = tl.multiple_of(tl.sum(tl.where(pick, lo_e, 0), 0) + local, 16)
     n_blocks = (tl.sum(tl.where(pick, lens, 0), 0) - local) // 16
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    rows64 = rows.to(tl.int64)
-    j = tl.arange(0, BK // 16)
-    t = tl.arange(0, 8)
-    h = tl.arange(0, BK // 2)
-    kmask = j < n_blocks
-    c_ptrs = codes + rows64[:, None, None] * (K // 2) + src0 // 2 + (j[:, None] * 8 + t[None, :])[None, :, :]
-    s_ptrs = scales + rows64[:, None] * (K // 16) + src0 // 16 + j[None, :]
-    lo, hi = _decode(c_ptrs, s_ptrs, rmask[:, None, None] & kmask[None, :, None], rmask[:, None] & kmask[None, :])
-    o = out + rows64[:, None] * KP + k0 + h[None, :]
-    tl.store(o, lo, mask=rmask[:, None])
-    tl.store(o + BK // 2, hi, mask=rmask[:, None])
+    _decode_step_rows(codes, scales, out, R, K, KP, src0, 0, n_blocks, k0, BR, BK)
