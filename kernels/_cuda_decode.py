@@ -21,6 +21,7 @@ import torch
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 STEP_K = 128         # K per step (the kernels' BK)
 SLOT_BYTES = 16 * 80 + 16 * 8  # one warp's ring slot: 16 rows of codes (pitch 80) + 16 x 8 scale bytes
+FRAG_SLOT_BYTES = 1024 + 16 * 8  # the same for fragment-order codes: the step's 1 KB as stored (``Slot``)
 ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
 TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
 MAX_EXPERTS = 4096   # the per-CTA tile scan lives in shared memory (4 bytes per expert)
@@ -113,19 +114,20 @@ def row_groups_for(cfg: dict, nsteps: int, seg: int, chunk_steps: int) -> int:
     return cfg.get("RG", 1) if not chunk_steps and seg >= nsteps else 1
 
 
-def smem_bytes(cfg: dict, nsteps: int, seg: int, chunk_steps: int, lanes: int, n_experts: int = 0) -> int:
-    """Dynamic shared memory of a launch (``Layout`` in the kernel): the warps' rings, one or two token
-    buffers, the chunk sums (chunk lanes only), the grouped tile list."""
+def smem_bytes(cfg: dict, nsteps: int, seg: int, chunk_steps: int, lanes: int, n_experts: int = 0,
+               frag: bool = False) -> int:
+    """Dynamic shared memory of a launch (``Layout`` in the kernel): the warps' rings (slots of row-major or
+    fragment-order codes), one or two token buffers, the chunk sums (chunk lanes only), the grouped tile list."""
     nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
     nchunks = -(-nsteps // chunk_steps) if chunk_steps else 1
-    ring = warps * depth * SLOT_BYTES
+    ring = warps * depth * (FRAG_SLOT_BYTES if frag else SLOT_BYTES)
     tokens = (2 if seg < nsteps else 1) * seg * nt * 2048
     sums = nchunks * (warps // lanes) * 32 * 16 * nt if lanes > 1 else 0
     return ring + tokens + sums + (4 * (n_experts + 1) if n_experts else 0)
 
 
 def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: int = 1 << 30,
-            n_experts: int = 0) -> int:
+            n_experts: int = 0, frag: bool = False) -> int:
     """K steps per token-fragment segment: all of K when its token units fit the registers the kernel keeps
     for them (then no barrier in the main loop), else the config's SEG (0: as many as fit); with chunks a
     whole number of rounds (lanes x chunk); then smaller ones until the launch fits ``smem_limit`` bytes.
@@ -135,7 +137,7 @@ def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: in
     unit = lanes * chunk_steps if chunk_steps else 1
     first = nsteps if nsteps <= cap else min(cfg.get("SEG", 0) or cap, cap) // unit * unit
     for seg in [first] + [i * unit for i in range((first - 1) // unit, 0, -1)]:
-        if seg > 0 and smem_bytes(cfg, nsteps, seg, chunk_steps, lanes, n_experts) <= smem_limit:
+        if seg > 0 and smem_bytes(cfg, nsteps, seg, chunk_steps, lanes, n_experts, frag) <= smem_limit:
             return seg
     raise ValueError(f"CUDA decode GEMM config {cfg}: no token segment fits (K = {nsteps * STEP_K}"
                      + (f", rounds of {lanes} chunks of {chunk_steps} steps" if chunk_steps else "")
@@ -167,11 +169,12 @@ def chunk_log2(chunk_steps: int) -> int:
     return chunk_steps.bit_length() - 1
 
 
-def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0) -> tuple[int, int, int]:
+def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0,
+         frag: bool = False) -> tuple[int, int, int]:
     """(chunk lanes, K steps per token segment, row groups per warp) of a launch on this GPU."""
     nsteps, chunk_steps = k // STEP_K, chunk // STEP_K
     lanes = lanes_for(cfg, nsteps, chunk_steps)
-    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(device_index), n_experts)
+    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(device_index), n_experts, frag)
     return lanes, seg, row_groups_for(cfg, nsteps, seg, chunk_steps)
 
 
@@ -203,8 +206,8 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0, frag: torch.Tensor | 
     ga, gw = a.global_scale.contiguous(), w.global_scale.contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
-    shape = plan(cfg, k, chunk, out.device.index)
     use = frag is not None and cfg["D"] in FRAG_DEPTHS
+    shape = plan(cfg, k, chunk, out.device.index, frag=use)
     return _call(mod, a, frag if use else w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk, shape,
                  frag=use)
 
@@ -222,11 +225,11 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
     tile_rows = TOKENS_PER_TILE * cfg["NT"]
     bound = min(m, -(-m // tile_rows) + e)  # tiles that can hold rows
-    shape = plan(cfg, k, chunk, out.device.index, e)
+    frag = ex.frag is not None and cfg["D"] in FRAG_DEPTHS  # same bits either way
+    shape = plan(cfg, k, chunk, out.device.index, e, frag)
     lanes, _, rg = shape
     groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes * rg))
     grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
-    frag = ex.frag is not None and cfg["D"] in FRAG_DEPTHS  # same bits either way
     codes = ex.frag if frag else ex.codes
     strides = (codes.stride(0), ex.scales.stride(0), gw.stride(0))
     return _call(mod, a, codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,

@@ -47,9 +47,18 @@ namespace minite_decode {
 
 constexpr int kStepBytes = 64;               // codes of one row per 128-wide K step
 constexpr int kRowPitch = 80;                // shared-memory pitch of one row's step (64 + 16: conflict-free)
-constexpr int kSlotBytes = 16 * kRowPitch + 16 * 8;  // one warp's step: 16 rows of codes + 16 x 8 scale bytes
 constexpr int kTileStepWords = 8 * 32 * 2;   // u32 words of one n8 token tile's fragments per K step (2 KB)
 constexpr int kFragHalf = 16 * 32;           // fragment order: the lanes' first 16 bytes, then their second
+
+// One warp's ring slot (one K step): 16 rows of codes, then their 16 x 8 scale bytes. Row-major codes sit at a
+// padded pitch (conflict-free two-byte gathers); a fragment-order step is its 1 KB as stored (16-byte loads,
+// conflict-free without padding): 1152 bytes instead of 1408, so a grouped gate_up CTA (K = 2048, 4 warps,
+// 8 steps) fits three times in an SM's shared memory.
+template <bool FRAG>
+struct Slot {
+  static constexpr int kScales = FRAG ? 2 * kFragHalf : 16 * kRowPitch;  // offset of the scale bytes
+  static constexpr int kBytes = kScales + 16 * 8;
+};
 
 struct Params {
   const uint8_t* a_codes;   // [M, K/2]
@@ -155,7 +164,7 @@ __device__ __forceinline__ void gather(const uint8_t* slot, int g, int t, StepWo
     for (int pc = 0; pc < 4; ++pc)
       d.x[pc][r] = join16(*reinterpret_cast<const uint16_t*>(row + 16 * pc),
                           *reinterpret_cast<const uint16_t*>(row + 16 * pc + 8));
-    d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
+    d.sc[r] = *reinterpret_cast<const uint2*>(slot + Slot<false>::kScales + (g + 8 * r) * 8);
   }
 }
 
@@ -166,7 +175,7 @@ __device__ __forceinline__ void gather_frag(const uint8_t* slot, int g, int lane
   d.x[0][0] = lo.x, d.x[0][1] = lo.y, d.x[1][0] = lo.z, d.x[1][1] = lo.w;
   d.x[2][0] = hi.x, d.x[2][1] = hi.y, d.x[3][0] = hi.z, d.x[3][1] = hi.w;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) d.sc[r] = *reinterpret_cast<const uint2*>(slot + 16 * kRowPitch + (g + 8 * r) * 8);
+  for (int r = 0; r < 2; ++r) d.sc[r] = *reinterpret_cast<const uint2*>(slot + Slot<true>::kScales + (g + 8 * r) * 8);
 }
 
 template <bool FRAG>
@@ -329,18 +338,18 @@ __device__ __forceinline__ float epilogue(float acc, float ga, float gw, bool ha
 }
 
 // Shared memory of a CTA (the launcher computes the same sizes):
-//   ring [W][D][kSlotBytes] | tokens [nbuf][seg][NT][kTileStepWords] u32 | chunk sums [nchunks][R][32][4 NT]
+//   ring [W][D][Slot<FRAG>::kBytes] | tokens [nbuf][seg][NT][kTileStepWords] u32 | chunk sums [nchunks][R][32][4 NT]
 //   f32 (C > 1 only) | grouped tile list [E + 1] int
 struct Layout {
   int ring, tokens, sums, tiles;  // byte offsets
   int buf_words;                  // u32 words of one token buffer
 };
 
-template <int NT, int D>
+template <int NT, int D, bool FRAG>
 __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nchunks, int lanes) {
   Layout l;
   l.ring = 0;
-  l.tokens = warps * D * kSlotBytes;
+  l.tokens = warps * D * Slot<FRAG>::kBytes;
   l.buf_words = seg * NT * kTileStepWords;
   const int nbuf = seg < nsteps ? 2 : 1;
   l.sums = l.tokens + nbuf * l.buf_words * 4;
@@ -392,15 +401,16 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
   const int row0 = active ? x0 * 16 : p.N - 16;
   const int row_pitch = STREAM ? 16 : R * 16;  // rows from one of my row groups to the next
   const int J = nrg * (my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs)));
-  const Layout L = layout<NT, D>(W, nsteps, p.seg, nchunks, C);
-  uint8_t* ring = smem + L.ring + warp * D * kSlotBytes;
+  const Layout L = layout<NT, D, FRAG>(W, nsteps, p.seg, nchunks, C);
+  constexpr int kSlot = Slot<FRAG>::kBytes;
+  uint8_t* ring = smem + L.ring + warp * D * kSlot;
   uint32_t* tokens = reinterpret_cast<uint32_t*>(smem + L.tokens);
   float4* sums = reinterpret_cast<float4*>(smem + L.sums);
   const int units = p.seg * 8 * NT * 4;  // token-decoding units per segment
   // where this lane's copies of a step land in a ring slot: 16 code bytes of rows g and g + 8, 4 scale bytes
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   // this lane's two 16-byte copies of a step: rows g and g + 8 (row-major), or its own 32 bytes (FRAG)
-  const uint32_t dst_c = FRAG ? 16 * lane : g * kRowPitch + 16 * t, dst_s = 16 * kRowPitch + 4 * lane;
+  const uint32_t dst_c = FRAG ? 16 * lane : g * kRowPitch + 16 * t, dst_s = Slot<FRAG>::kScales + 4 * lane;
   const uint32_t dst_c8 = FRAG ? dst_c + kFragHalf : dst_c + 8 * kRowPitch;
   // bytes from one K step to the next: 64 of each row (row-major), the warp's whole 1 KB step (FRAG)
   constexpr int kCodeStep = FRAG ? 16 * kStepBytes : kStepBytes;
@@ -456,7 +466,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
       const uint32_t n16 = live ? 16 : 0, n4 = live ? 4 : 0;
       const uint8_t* sc = live ? cur_c : src_c;
       const uint8_t* ss = live ? cur_s : src_s;
-      const uint32_t slot = ring_s + (ji & (D - 1)) * kSlotBytes;
+      const uint32_t slot = ring_s + (ji & (D - 1)) * kSlot;
       asm volatile(
           "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
           "cp.async.cg.shared.global [%3], [%4], 16, %2;\n"
@@ -532,7 +542,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
       __syncwarp();            // ... for every lane
       gather_step<FRAG>(ring, g, t, lane, w1);
       decode_step<FRAG>(w1, a0);
-      gather_step<FRAG>(ring + kSlotBytes, g, t, lane, w0);
+      gather_step<FRAG>(ring + kSlot, g, t, lane, w0);
     }
 
     // my step j, K step with token fragments at b: refill the slot of step j - 1 with step j + D - 1, gather
@@ -544,7 +554,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
       cp_async_wait<D - 3>();  // my steps <= j + 2 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
       // stale (unused) past my last step
-      gather_step<FRAG>(ring + ((j + 2) & (D - 1)) * kSlotBytes, g, t, lane, w_next);
+      gather_step<FRAG>(ring + ((j + 2) & (D - 1)) * kSlot, g, t, lane, w_next);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
 #pragma unroll
@@ -677,7 +687,7 @@ template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
   const int nsteps = p.K / 128;
   const int nchunks = p.chunk_log2 >= 0 ? (nsteps + (1 << p.chunk_log2) - 1) >> p.chunk_log2 : 1;
-  const Layout l = layout<NT, D>(warps, nsteps, p.seg, nchunks, p.lanes);
+  const Layout l = layout<NT, D, FRAG>(warps, nsteps, p.seg, nchunks, p.lanes);
   const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
   // every segment's token units fit the registers the kernel keeps for them
   if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;

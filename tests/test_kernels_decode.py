@@ -139,6 +139,18 @@ def test_token_segments_fit_shared_memory():
         _cuda_decode.segment(cfg, 64, 4, 4, 100_000)
 
 
+def test_fragment_order_slots_fit_three_gate_up_ctas_per_sm():
+    """A fragment-order ring slot is the step's 1 KB plus its scales (no row padding): the grouped gate_up
+    config of Qwen3-30B-A3B (K = 2048, all of K's token fragments resident, 4 warps, 8-step ring) then fits
+    three times in an H200 SM's 228 KB (1 KB of it reserved per CTA), which row-major slots do not."""
+    cfg = dict(NT=1, W=4, D=8, SEG=0, RG=4)
+    sm_bytes, per_cta = 228 * 1024, 1024
+    frag = _cuda_decode.smem_bytes(cfg, 16, 16, 0, 1, 128, frag=True)
+    rows = _cuda_decode.smem_bytes(cfg, 16, 16, 0, 1, 128)
+    assert frag == 4 * 8 * 1152 + 16 * 2048 + 4 * 129 and rows - frag == 4 * 8 * 256
+    assert 3 * (frag + per_cta) <= sm_bytes < 3 * (rows + per_cta)
+
+
 def _kernel_step_count(nsteps, lanes, chunk_steps, c):
     """J in decode_gemm.cu: my chunks, the last one possibly short (its closed form, mirrored)."""
     lcs = chunk_steps.bit_length() - 1 if chunk_steps else 20
