@@ -215,8 +215,10 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
 
     dev, rows = qkv.device, b * t
-    q_sq = _squares_buffer(rows * n_q, d, dev)  # [b, t, n_q] rows first, then padding
-    k_sq = _squares_buffer(rows * n_kv, d, dev)
+    # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows, where
+    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call)
+    sq = _squares_buffer(rows * (n_q + n_kv), d, dev)
+    q_sq, k_sq = sq[:rows * n_q], sq[rows * n_q:]
     q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
     k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
     if rows == 0:
@@ -224,8 +226,8 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
     grid = (rows, n_q + n_kv)
     _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, D=d)
-    q_var = q_sq.mean(-1, keepdim=True)  # torch's reductions, on the reference's values (>= 16 rows)
-    k_var = k_sq.mean(-1, keepdim=True)
+    var = sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
+    q_var, k_var = var[:rows * n_q], var[rows * n_q:]
     cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
     if cs.stride(-1) != 1 or sn.stride() != cs.stride():
         cs, sn = cs.contiguous(), sn.contiguous()

@@ -87,14 +87,26 @@ CUDA_MAX_M = 64
 _verified: dict = {}
 
 
-def cuda_config(m: int) -> dict:
-    """CUDA decode kernel config for M token rows. One chain over K: one n8 token tile per CTA up to 16 rows
-    (M 9..16: two CTAs share a weight slice through L2, cheaper than a second mma chain per warp), two above;
-    4 warps x 16 weight rows (the best of a config sweep on the H200 at M = 1..64 over the Qwen3-30B-A3B
-    shapes); an 8-step cp.async ring (the ring runs 5 steps ahead of the decode); token fragments for all of K
-    when they fit (SEG 0). K chunks: 8 warps, 4 (M <= 16) or 2 chunk lanes per 16 weight rows."""
+DECODE_SCHEDULERS = 4 * 132  # warp schedulers of the H200: one warp chain each is what a dense decode GEMM needs
+
+
+def cuda_config(m: int, n: int = 0) -> dict:
+    """CUDA decode kernel config for M token rows (of an [N, K] weight, when N is given). One chain over K: one
+    n8 token tile per CTA up to 16 rows (M 9..16: two CTAs share a weight slice through L2, cheaper than a
+    second mma chain per warp), 4 warps x 16 weight rows, an 8-step cp.async ring (5 steps ahead of the
+    decode), token fragments for all of K when they fit (SEG 0). Up to 32 rows: two token tiles per CTA.
+    Above 32 rows with N known: 8 warps, and the most token tiles per CTA (4, 2, 1) that still leave a warp
+    chain (16 weight rows x a CTA's token tiles) for each of the GPU's warp schedulers; with 4 tiles a 4-step
+    ring. Each weight step is decoded once per chain, so fewer, wider chains decode less, down to where
+    schedulers would idle. H200 sweep at M = 64 (NT 1 / 2 / 4 x W 2 / 4 / 8 x D 4 / 8 x RG 1 / 2, CUDA-graph
+    medians, weights rotated past L2, every variant bitwise equal), against NT 2, 4 warps: q/k/v 5120x2048
+    22.4 -> 17.8 us (NT 4: 640 chains), o 2048x4096 17.4 -> 16.1 us (NT 1: 1024; NT 2 would leave 512, 17.4 /
+    20.5 us at 4 / 8 warps). K chunks: 8 warps, 4 (M <= 16) or 2 chunk lanes per 16 weight rows."""
     if k_chunk():
         return dict(variant="cuda", NT=1 if m <= 16 else 2, W=8, D=8, SEG=0, C=4 if m <= 16 else 2)
+    if m > 32 and n:
+        nt = next((t for t in (4, 2) if n // 16 * -(-m // (8 * t)) >= DECODE_SCHEDULERS), 1)
+        return dict(variant="cuda", NT=nt, W=8, D=4 if nt == 4 else 8, SEG=0)
     return dict(variant="cuda", NT=1 if m <= 16 else 2, W=4, D=8, SEG=0)
 
 
@@ -184,7 +196,7 @@ def _cuda_module(device):
 def _pick_config(m: int, n: int, device, cuda_ok: bool = False) -> dict:
     """``cuda_ok``: the CUDA decode kernel is built here and takes these operands (``_cuda_decode.supports``)."""
     if cuda_ok and m <= CUDA_MAX_M:
-        cfg = cuda_config(m)
+        cfg = cuda_config(m, n)
         if _proven(cfg, device):
             return cfg
     cfg = _configs(m, n, device.type == "cpu")
@@ -300,39 +312,38 @@ _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then
 
 
 GROUPED_RESIDENT_CTAS = 264  # 4-warp decode CTAs resident at once on the H200 (2 per SM x 132 SMs)
-GROUPED_THREE_PER_SM_CTAS = 396  # 3 per SM: the 168-register row-group build, where shared memory allows
+GROUPED_LISTED_CTAS = 528  # 4 per SM listed, 3 resident (the 168-register row-group build); the others start as
+                           # the first ones finish, so the tiles spread more evenly than over 396 resident CTAs
 
 
 def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     """Token tiles of 8 NT rows, 4 warps per CTA, an 8-step ring. Each warp runs RG row groups of 16 weight rows
     one after another per tile (the ring and the register pipeline run on from one into the next, the token
-    fragments stay resident), with 264 CTAs looping over the tiles: RG = 4 (K > 8 steps) or 8 (shorter K), the
-    best of an H200 sweep at 16 and 64 tokens x top-8 over 128 experts (RG 1-8 x W 2-8 x D 4/8 x 264-2112
-    CTAs, all bitwise equal): gate_up 1536x2048 at 64 tokens 131 -> 99 us, down 2048x768 98 -> 58 us. RG halves
-    while the (tile, row block) pairs, at most min(M, E) tiles x N / (16 x 4 RG) blocks, would not fill the
-    resident CTAs; at RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile
-    is over before a deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not
-    apply (one row group per tile).
+    fragments stay resident). Up to K = 2048 (16 steps) a CTA's shared memory (a ring of fragment-order slots,
+    all of K's token fragments) fits three times in an SM: RG from 8 and 528 CTAs listed; above, RG from 4 and
+    264 CTAs (two per SM). RG halves while the (tile, row block) pairs, at most min(M, E) tiles x N / (16 x 4 RG)
+    blocks, would not fill 264 CTAs. H200 sweep (CTAS 264 / 396 / 528 x RG 2 / 4 / 8 x D 4 / 8, top-8 of 128
+    experts, CUDA-graph medians, every variant bitwise equal), us, against the former configs (RG from 4 above
+    8 steps, 264 CTAs, 396 at short K below 4 rows per expert): gate_up 1536x2048 at 64 / 16 / 8 tokens
+    83.8 -> 75.2 / 57.3 -> 53.9 / 47.6 -> 41.6 (RG 4); down 2048x768 48.5 -> 47.9 / 34.7 -> 34.6 / 27.9 -> 28.9
+    (RG 4; RG 8 would take 25.6 there, but its 256 pairs sit where the small model's down 1024x256 must halve).
+    At RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile is over before a
+    deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not apply (one row group
+    per tile).
     Where RG falls to 1 with short K and many rows per expert (few, narrow experts: the ``small`` model's 32
     experts, top-4, at 64-256 tokens), NT token tiles share each decoded weight step once the average expert
     fills them: NT = 4 from 32 rows per expert, NT = 2 from 8 (H200 sweep, NT 1-4 x RG x W x D x CTAS, all
     bitwise equal; gate_up 512x1024 at 256 tokens 36.7 -> 22.5 us, down 1024x256 33.5 -> 15.6 us; at 64
     tokens 16.7 -> 10.2 and 14.5 -> 10.1). Where RG > 1 fills the GPU, NT = 1 stays: Qwen3-30B-A3B's down
-    2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8.
-    Short K at RG = 8 with fewer than 4 rows per expert (a down projection at 12-48 tokens) runs 396 CTAs,
-    three per SM (the row-group build holds 168 registers; a down CTA's 57.5 KB of shared memory fits three
-    times): H200, CUDA-graph medians, bitwise equal, down 2048x768 against 264 CTAs: 12 tokens 40.2 -> 33.8 us,
-    16 tokens 46.5 -> 34.6, 24-48 tokens ~48.4 -> ~46.0; at 64 tokens (4 rows per expert) 48.7 -> 53.1 and at
-    8 tokens (RG = 4) 26.3 -> 28.1, so those keep 264; gate_up (K 2048, 77.6 KB: two CTAs fit) at 16 tokens
-    56.5 -> 58.1."""
+    2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8."""
     from ._cuda_decode import ROWS_PER_WARP, STEP_K
-    short = 0 < k <= 8 * STEP_K
-    rg = 8 if short else 4
+    short, three = 0 < k <= 8 * STEP_K, 0 < k <= 16 * STEP_K
+    rg = 8 if three else 4
     while rg > 1 and min(m, e) * -(-(n // ROWS_PER_WARP) // (4 * rg)) < GROUPED_RESIDENT_CTAS:
         rg //= 2
     if rg > 1:
-        ctas = GROUPED_THREE_PER_SM_CTAS if short and rg == 8 and m < 4 * e else GROUPED_RESIDENT_CTAS
-        return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg, CTAS=ctas)
+        return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg,
+                    CTAS=GROUPED_LISTED_CTAS if three else GROUPED_RESIDENT_CTAS)
     if short and m >= 32 * e:
         return dict(variant="cuda", NT=4, W=8, D=4, SEG=0, RG=4, CTAS=2 * GROUPED_RESIDENT_CTAS)
     if short and m >= 8 * e:

@@ -228,7 +228,11 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     monkeypatch.setattr(G, "_proven", lambda c, d: True)
     assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.cuda_config(1)
     assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 1, 1, 2, 2]
-    assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64)
+    assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64, 4096)
+    # above 32 rows: the widest token tiles that leave a chain per scheduler (q/k/v NT 4, o NT 1 at M = 64)
+    assert G.cuda_config(64, 5120) == dict(variant="cuda", NT=4, W=8, D=4, SEG=0)
+    assert G.cuda_config(64, 2048) == dict(variant="cuda", NT=1, W=8, D=8, SEG=0)
+    assert G.cuda_config(64, 16384)["NT"] == 4 and G.cuda_config(32, 5120) == G.cuda_config(32)
     assert G._pick_config(G.CUDA_MAX_M + 1, 4096, dev, cuda_ok=True)["variant"] != "cuda"
     assert G._pick_config(1, 4096, dev, cuda_ok=False)["variant"] == "small"
     monkeypatch.setattr(G, "_proven", lambda c, d: c.get("variant") != "cuda")
@@ -236,13 +240,15 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     monkeypatch.setattr(G, "_grouped_proven", lambda c, d: True)
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=True) == G.grouped_cuda_config(8, 128)
     # row groups in sequence where the tiles still fill the GPU: 64 tokens x top-8, not 1 token
-    assert G.grouped_cuda_config(512, 128, 2048, 1536)["RG"] == 4
+    assert G.grouped_cuda_config(512, 128, 2048, 1536)["RG"] == 8
+    assert G.grouped_cuda_config(64, 128, 2048, 1536)["RG"] == 4  # 8 tokens: 64 tiles x 3 blocks < 264
     assert G.grouped_cuda_config(512, 128, 768, 2048)["RG"] == 8
     assert G.grouped_cuda_config(64, 128, 768, 2048)["RG"] == 4
-    # three CTAs per SM for short K at RG 8 below 4 rows per expert (down at 16 tokens), not at 64 tokens
-    assert G.grouped_cuda_config(128, 128, 768, 2048)["CTAS"] == G.GROUPED_THREE_PER_SM_CTAS
-    assert G.grouped_cuda_config(512, 128, 768, 2048)["CTAS"] == G.GROUPED_RESIDENT_CTAS
-    assert G.grouped_cuda_config(128, 128, 2048, 1536)["CTAS"] == G.GROUPED_RESIDENT_CTAS
+    assert G.grouped_cuda_config(512, 128, 4096, 1536)["RG"] == 4  # K > 16 steps: from 4
+    # up to 16 K steps three CTAs fit per SM: 528 listed; above, two (264)
+    for m, k, n in ((128, 768, 2048), (512, 768, 2048), (128, 2048, 1536), (512, 2048, 1536)):
+        assert G.grouped_cuda_config(m, 128, k, n)["CTAS"] == G.GROUPED_LISTED_CTAS
+    assert G.grouped_cuda_config(512, 128, 4096, 1536)["CTAS"] == G.GROUPED_RESIDENT_CTAS
     assert G.grouped_cuda_config(8, 128, 2048, 1536).get("RG", 1) == 1
     assert G.grouped_cuda_config(8, 128, 768, 2048) == dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
     # short K and many rows per expert (small model, 32 experts top-4): NT token tiles share the weight steps
