@@ -78,7 +78,7 @@ def test_timing_summary():
 
 
 def test_gpu_busy_time_counts_overlapping_kernels_once():
-    from minite.jobs.bench_learner import busy_ms
+    from minite.jobs.profiling import busy_ms
     # us: [0, 100) and [50, 150) overlap; [200, 250) apart; [210, 220) inside it
     assert busy_ms([(200, 250), (0, 100), (50, 150), (210, 220)]) == 0.2
     assert busy_ms([]) == 0.0

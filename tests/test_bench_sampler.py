@@ -30,6 +30,23 @@ def test_bench_sampler_record(tmp_path, arm):
     assert "random init" in r["weights"]
 
 
+def test_bench_sampler_torch_profile(tmp_path):
+    """--torch-profile: one more generate under torch.profiler -> a CSV of its ops (long format, the learner's
+    columns) and a summary in the JSON; the timed record is still there."""
+    import pandas as pd
+    out, prof = tmp_path / "rollout.json", tmp_path / "prof.csv"
+    assert main(["bench-sampler", "--arm", "minite_nvfp4", "--model", "tiny", "--batch", "2", "--prompt-len", "4",
+                 "--new-tokens", "3", "--torch-profile", str(prof), "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["torch_profile"] == str(prof) and r["step_ms"]["n"] == 2
+    assert r["torch_profile_generate"]["decode_steps"] == 2 and r["torch_profile_generate"]["wall_ms"] > 0
+    df = pd.read_csv(prof)
+    assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms",
+                                "sha", "device"]
+    assert len(df) > 5 and (df["calls"] > 0).all() and df["self_cpu_ms"].max() > 0
+    assert (df["arm"] == "minite_nvfp4").all() and (df["sha"] == r["sha"]).all()
+
+
 def test_bench_sampler_bad_input(tmp_path, caplog):
     out = tmp_path / "x.json"
     assert main(["bench-sampler", "--arm", "bf16", "--model", "tiny", "--new-tokens", "1", "--out", str(out)]) == 2

@@ -27,6 +27,8 @@ import torch
 from tqdm import tqdm
 
 from minite import distributed as D
+from minite.jobs import common
+from minite.jobs.profiling import write_torch_profile
 
 DISTRIBUTED = True      # runs under torchrun: one process per GPU
 
@@ -69,9 +71,7 @@ def add_args(p) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each decoder layer's forward in backward (less activation memory)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--torch-profile", default=None, metavar="CSV",
-                   help="after the timed steps, profile one more update with torch.profiler and write its ops "
-                        "(and minite.quantize.{weight,act,grad} / minite.gemm ranges) to this CSV")
+    common.add_torch_profile(p, "update (its minite.quantize.{weight,act,grad} / minite.gemm ranges too)")
     p.add_argument("--profile", dest="torch_profile", default=None, help=argparse.SUPPRESS)  # the old name
     p.add_argument("--out", required=True, help="output JSON path")
 
@@ -202,8 +202,9 @@ def run(args) -> int:
     out.update(provenance(device=device))
     if args.torch_profile:
         out["torch_profile"] = repo_relative(args.torch_profile)
-        out["torch_profile_update"] = write_profile(args.torch_profile, trainer, batch, cuda,
-                                                    {"arm": arm.name, "sha": out["sha"], "device": out["device"]})
+        out["torch_profile_update"] = write_torch_profile(
+            args.torch_profile, lambda: trainer.update(batch), cuda,
+            {"arm": arm.name, "sha": out["sha"], "device": out["device"]}, write=D.is_main())
     if not D.is_main():
         return 0
     write_json(args.out, out)
@@ -215,60 +216,3 @@ def run(args) -> int:
               f"(interquartile range; limit {100 * SPREAD_LIMIT:.0f}%): the machine was busy, ratios against this "
               "run are unreliable", file=sys.stderr)
     return 0
-
-
-PROFILE_COLUMNS = ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms", "sha", "device"]
-
-
-def busy_ms(intervals) -> float:
-    """Length of the union of (start, end) intervals in microseconds (the time at least one runs), in ms."""
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total, end = total + (b - a), b
-        elif b > end:
-            total, end = total + (b - end), b
-    return total / 1e3
-
-
-def write_profile(path, trainer, batch, cuda: bool, meta: dict, top: int = 60) -> dict:
-    """One learner update under torch.profiler -> CSV of the ``top`` ops by self device time (self CPU time on
-    CPU), plus every ``minite.*`` range (their device_ms = the GPU time of the kernels launched inside).
-    Returns the profiled update's wall time and, on the GPU, the time the GPU was busy (the union of its
-    kernels' intervals, so overlapping kernels count once): their gap is time the GPU waited for the host."""
-    import pandas as pd
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from minite.provenance import write_csv
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        trainer.update(batch)
-        if cuda:
-            torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    summary = {"wall_ms": wall_ms}
-    if cuda:
-        spans = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
-                 if ev.device_type == DeviceType.CUDA]
-        summary["gpu_busy_ms"] = busy_ms(spans)
-        summary["gpu_kernels"] = len(spans)
-
-    def ms(ev, name):  # torch renamed cuda_* -> device_* (2.4); read whichever exists
-        v = getattr(ev, name, None)
-        if v is None:
-            v = getattr(ev, name.replace("device", "cuda"), 0.0)
-        return float(v or 0.0) / 1e3
-
-    rows = [{**meta, "name": ev.key, "calls": ev.count, "self_device_ms": ms(ev, "self_device_time_total"),
-             "device_ms": ms(ev, "device_time_total"), "self_cpu_ms": ev.self_cpu_time_total / 1e3,
-             "cpu_ms": ev.cpu_time_total / 1e3} for ev in prof.key_averages()]
-    df = pd.DataFrame(rows, columns=PROFILE_COLUMNS)
-    order = "self_device_ms" if cuda else "self_cpu_ms"
-    ranges = df[df["name"].str.startswith("minite.")]
-    df = pd.concat([ranges, df.drop(ranges.index).sort_values(order, ascending=False).head(top)])
-    if D.is_main():       # every rank ran the update (its collectives); rank 0's profile is written
-        write_csv(path, df)
-    return summary

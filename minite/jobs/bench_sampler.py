@@ -13,7 +13,8 @@ each in the form the arm's GEMM reads (BF16; NVFP4 codes + E4M3 block scales + f
 kernel path; the cached BF16 dequantization for the emulated path). The KV cache is not a weight and is
 reported apart. Roofline: tokens/s if every step only read those bytes at the copy bandwidth measured in the
 same run (a large device-to-device copy, read + write bytes over its time); roofline_frac = measured /
-roofline. Writes one JSON atomically, with provenance.
+roofline. Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same
+prompts, CUDA graphs as timed) under torch.profiler, its kernels and ops in a CSV (``minite.jobs.profiling``).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def add_args(p) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="tokens per (random) prompt")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--eager", action="store_true", help="run the decode steps without CUDA graphs")
+    common.add_torch_profile(p, "generate (the same prompts; CUDA graphs as timed)")
     common.add_device(p)
     common.add_seed(p)
     common.add_checkpoint(p, help="local HF checkpoint dir or SFT directory (default: a seeded random init)")
@@ -49,7 +51,7 @@ def add_args(p) -> None:
 
 def run(args) -> int:
     from minite.engines.arms import load_arm
-    from minite.provenance import write_json
+    from minite.provenance import repo_relative, write_json
 
     arm, cfg = load_arm(args.arm), common.model_of(args)
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
@@ -61,6 +63,11 @@ def run(args) -> int:
                             args.prompt_len + args.new_tokens, cuda_graphs=not args.eager)
     out = measure(sampler, args.batch, args.prompt_len, args.new_tokens, args.seed)
     out["weights"] = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random init (seed {args.seed})"
+    if args.torch_profile:
+        out["torch_profile"] = repo_relative(args.torch_profile)
+        out["torch_profile_generate"] = profile_generate(
+            sampler, args.batch, args.prompt_len, args.new_tokens, args.seed, args.torch_profile,
+            {"arm": arm.name, "sha": out["sha"], "device": out["device"]})
     write_json(args.out, out)
     log.info("%s %s x%d layers, batch %d on %s (%s): %.0f tokens/s, %.3f ms/step, %.1f%% of roofline -> %s",
              arm.name, cfg["name"], cfg["num_hidden_layers"], args.batch, out["device"],
@@ -232,6 +239,19 @@ def count_step_ops(sampler, batch: int, pos: int) -> dict:
     per_layer = [b - a for a, b in pairwise(marks)]
     return {"per_step": counter.n, "per_layer": per_layer, "outside_layers": counter.n - sum(per_layer),
             "top_ops": dict(counter.names.most_common(12))}
+
+
+def profile_generate(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int, path, meta: dict) -> dict:
+    """One more generate of ``measure``'s prompts under torch.profiler -> ``path`` (CSV); the summary, with the
+    number of decode steps it ran (the kernels and times in the CSV are for the whole generate)."""
+    from minite.jobs.profiling import write_torch_profile
+
+    prompts = random_prompts(batch, prompt_len, sampler.config.vocab_size, seed)
+    gen = torch.Generator(device=sampler.device).manual_seed(seed)
+    summary = write_torch_profile(
+        path, lambda: sampler.generate(prompts, new_tokens, generator=gen, stop_token=None),
+        sampler.device.type == "cuda", meta)
+    return {**summary, "decode_steps": new_tokens - 1}
 
 
 # ------------------------------------------------------------------------------------------------- measure

@@ -11,7 +11,7 @@
     --rl-config NAME      RL config (configs/rl/<name>.yaml: cpu | h200 | b300) or a YAML path; with
     --set SEC.KEY=VALUE   overrides of single values (repeatable)
     --no-progress         no progress bar
-    --torch-profile CSV   torch.profiler table of one more learner update (bench-learner)
+    --torch-profile CSV   torch.profiler table of one more learner update (bench-learner) or generate (bench-sampler)
 
 Older spellings still run, hidden from --help: --init (= --checkpoint), --num-layers (= --layers),
 --profile (= --rl-config).
@@ -69,10 +69,10 @@ def add_progress(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def add_torch_profile(p) -> None:
+def add_torch_profile(p, what: str) -> None:
     p.add_argument("--torch-profile", dest="torch_profile", default=None, metavar="CSV",
-                   help="after the timed steps, profile one more update with torch.profiler and write its ops "
-                        "(and the minite.* ranges) to this CSV")
+                   help=f"after the timed run, profile one more {what} with torch.profiler and write its ops "
+                        "to this CSV (minite.jobs.profiling)")
 
 
 # ----------------------------------------------------------------------------------------------- loading
