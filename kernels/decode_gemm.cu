@@ -88,8 +88,11 @@ struct Params {
   int a_rows64;
 };
 
+// (only grouped launches take a_rows: the dense builds index their rows directly, with no branch in their
+// token loads, whose loads then issue back to back)
+template <bool GROUPED>
 __device__ __forceinline__ int64_t a_row(const Params& p, int m) {
-  if (p.a_rows == nullptr) return m;
+  if (!GROUPED || p.a_rows == nullptr) return m;
   return p.a_rows64 ? static_cast<const int64_t*>(p.a_rows)[m] : static_cast<const int*>(p.a_rows)[m];
 }
 
@@ -226,7 +229,7 @@ struct TokenUnit {
   uint32_t sc;
 };
 
-template <int NT>
+template <int NT, bool GROUPED>
 __device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, int unit, int m0, int m_end,
                                             int s_begin, int s_end) {
   const int piece = unit & 3;
@@ -235,7 +238,7 @@ __device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, int u
   const int row = m0 + m, s = s_begin + sl;
   if (row < m_end && s < s_end) {
     const size_t kh = p.K >> 1, ks = p.K >> 4;
-    const int64_t ar = a_row(p, row);
+    const int64_t ar = a_row<GROUPED>(p, row);
     u.codes = *reinterpret_cast<const uint4*>(p.a_codes + ar * kh + s * kStepBytes + 16 * piece);
     u.sc = *reinterpret_cast<const uint16_t*>(p.a_scales + ar * ks + s * 8 + 2 * piece);
   } else {
@@ -448,7 +451,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int m = m0 + 8 * jt + 2 * t + h;
-        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row(p, m) : 0] : 0.0f;
+        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row<GROUPED>(p, m) : 0] : 0.0f;
       }
 
     // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
@@ -498,7 +501,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = threadIdx.x + i * blockDim.x;
-      if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, 0, min(p.seg, nsteps));
+      if (u < units) load_tokens<NT, GROUPED>(tu[i], p, u, m0, m_end, 0, min(p.seg, nsteps));
     }
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
@@ -513,7 +516,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
       for (int i = 0; i < kUnits; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
-        if (u < units) load_tokens<NT>(tu[i], p, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
+        if (u < units) load_tokens<NT, GROUPED>(tu[i], p, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
       }
     };
     // (warps reach a switch from different places, their runs or the tail below: a non-aligned barrier)
