@@ -256,13 +256,11 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str, dtype: torch.dtype | None = None):
-    """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]). ``dtype``: the activations'
-    (default the logits'); fp32 logits holding model-dtype values give the softmax its input without a cast."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, idx = torch.topk(probs, top_k, dim=-1)
-    if norm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return (top.to(dtype or logits.dtype) if mode == "hf" else top), idx
+    """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]): fp32 softmax, top-k, optional
+    renormalisation, cast to ``dtype`` for "hf" (default the logits'; fp32 logits holding model-dtype values
+    give the softmax its input without a cast). ``minite.kernels.route``: one fused pass on CUDA, bitwise
+    torch's ops (the trainer's), which run on CPU."""
+    return kernels.route(logits, top_k, norm_topk, mode, dtype)
 
 
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
