@@ -190,7 +190,7 @@ def route_fused(logits, top_k: int, norm_topk: bool, out_dtype, tree: str) -> tu
         bx = min(_pow2_at_most(top_k), 32)
         _route_kernel[(t,)](x, x.stride(0), weights, ids, e, top_k, W=w, LOG_W=w.bit_length() - 1,
                             IT=width // w, K_SLOTS=SLOTS, LOG_SLOTS=SLOTS.bit_length() - 1, BX=bx,
-                            LOG_BX=bx.bit_length() - 1, NORM=norm_topk, HALVES=tree == "halves", num_warps=4,
+                            LOG_BX=bx.bit_length() - 1, NORM=norm_topk, HALVES=tree == "halves", num_warps=1,
                             enable_fp_fusion=False)
     return weights, ids
 
