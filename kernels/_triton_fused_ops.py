@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ._backend import interpreter_on
 from ._triton_round import round_to
+from ._triton_torch_order import vec4_row_sum
 
 if interpreter_on():
     @triton.jit
@@ -63,6 +64,28 @@ def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.cons
 
 
 @triton.jit
+def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
+                        HF: tl.constexpr, J: tl.constexpr):
+    """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares: the order
+    of torch's mean over rows of N (``fused_ops.row_mean_emulated``), then times fp32(1 / N) as its MeanOps."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, 128)
+    acc = tl.zeros([32, 4], dtype=tl.float32)
+    for j in tl.static_range(J):
+        xv = tl.load(x + r * x_stride + j * 128 + c)
+        if HAS_RES:
+            s = tl.load(res + r * res_stride + j * 128 + c).to(tl.float32) + xv.to(tl.float32)
+            if HF:
+                s = round_to(s, xv.dtype)
+            tl.store(summed + r * (128 * J) + j * 128 + c, s)
+            h = s.to(tl.float32)
+        else:
+            h = xv.to(tl.float32)
+        acc = acc + tl.reshape(h * h, [32, 4])
+    tl.store(var + r, vec4_row_sum(acc) * inv_n)
+
+
+@triton.jit
 def _norm_half(x, inv, w, HF: tl.constexpr):
     """A row (or half a head row)'s RMSNorm output, in the activations' dtype."""
     h = x.to(tl.float32)
@@ -88,16 +111,29 @@ def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.conste
 
 
 @triton.jit
-def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr):
-    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row."""
+def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, inv_d, D: tl.constexpr, MEAN: tl.constexpr):
+    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row,
+    or (MEAN, D = 128 J) their mean in torch's order (as ``_square_mean_kernel``), one value per head."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    cols = tl.arange(0, D)
-    x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
-    if h < NQ:
-        tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
+    if MEAN:
+        c = tl.arange(0, 128)
+        acc = tl.zeros([32, 4], dtype=tl.float32)
+        for j in tl.static_range(D // 128):
+            x = tl.load(qkv + i * row_stride + h * D + j * 128 + c).to(tl.float32)
+            acc = acc + tl.reshape(x * x, [32, 4])
+        m = vec4_row_sum(acc) * inv_d
+        if h < NQ:
+            tl.store(q_sq + i * NQ + h, m)
+        else:
+            tl.store(k_sq + i * NKV + (h - NQ), m)
     else:
-        tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
+        cols = tl.arange(0, D)
+        x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
+        if h < NQ:
+            tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
+        else:
+            tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
 
 
 @triton.jit

@@ -1,11 +1,9 @@
 """Triton kernel of the fused top-k routing (contract, orders and references in ``routing``).
 
-One program (one warp) per row. Lane-wise reductions of torch's kernels become explicit trees: ``_xor_step``
-adds each element to its partner at a given distance (v[l] + v[l ^ d], its own value first), which for the
-lanes that matter is torch's shuffle step; an element is taken out of a vector by a masked sum with zeros,
-which is exact. The sort's (key, index, valid) triples travel as one int64: ((key bits + 1) << 32) | index
-for a valid entry, 0 for an invalid one; for keys >= +0.0 (probabilities) comparing the high words is
-torch's swap test, up to swaps of two invalid entries, which are equal. Launched with FMA contraction off;
+One program (one warp) per row; torch's lane-wise sums as explicit trees (``_triton_torch_order``). The
+sort's (key, index, valid) triples travel as one int64: ((key bits + 1) << 32) | index for a valid entry, 0
+for an invalid one; for keys >= +0.0 (probabilities) comparing the high words is torch's swap test, up to
+swaps of two invalid entries, which are equal. Launched with FMA contraction off;
 expf is libdevice's (numpy's under the interpreter).
 """
 from __future__ import annotations
@@ -15,18 +13,7 @@ import triton.language as tl
 
 from ._triton_fused_ops import _div, _expf
 from ._triton_round import round_to
-
-
-@triton.jit
-def _xor_step(v, lane, D: tl.constexpr):
-    """v[l] + v[l ^ D] for every l."""
-    return v + tl.gather(v, lane ^ D, 0)
-
-
-@triton.jit
-def _element(v, idx, i):
-    """v[i], exactly (one term and zeros)."""
-    return tl.sum(tl.where(idx == i, v, tl.zeros_like(v)), axis=0)
+from ._triton_torch_order import element, xor_step
 
 
 @triton.jit
@@ -58,8 +45,8 @@ def _route_kernel(logits, stride, w_out, id_out, E, K, W: tl.constexpr, LOG_W: t
         xi = tl.load(row + i * W + lane, mask=i * W + lane < E, other=float("-inf")).to(tl.float32)
         s = s + _expf(xi - mx)
     for j in tl.static_range(LOG_W):
-        s = _xor_step(s, lane, W >> (j + 1))
-    total = _element(s, lane, 0)
+        s = xor_step(s, lane, W >> (j + 1))
+    total = element(s, lane, 0)
     p = tl.reshape(_div(_expf(x - mx), total), [IT * W])
 
     # top-k: k rounds take the largest left (the lowest index among equals), the last one is the k-th
@@ -95,13 +82,13 @@ def _route_kernel(logits, stride, w_out, id_out, E, K, W: tl.constexpr, LOG_W: t
     if NORM:
         v = tl.where(slot < K, key, 0.0)
         if BX < K_SLOTS:
-            v = _xor_step(v, slot, BX)  # lane l: element l + element l + BX (0.0 where there is none)
+            v = xor_step(v, slot, BX)  # lane l: element l + element l + BX (0.0 where there is none)
         for j in tl.static_range(LOG_BX):
             if HALVES:
-                v = _xor_step(v, slot, BX >> (j + 1))
+                v = xor_step(v, slot, BX >> (j + 1))
             else:
-                v = _xor_step(v, slot, 1 << j)
-        w = _div(key, _element(v, slot, 0))
+                v = xor_step(v, slot, 1 << j)
+        w = _div(key, element(v, slot, 0))
     out = slot < K
     tl.store(w_out + r * K + slot, round_to(w, w_out.dtype.element_ty), mask=out)
     tl.store(id_out + r * K + slot, packed & 0xFFFFFFFF, mask=out)

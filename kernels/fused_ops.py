@@ -23,13 +23,21 @@ contraction), but a reduction's order cannot: every mean (RMSNorm's variance) st
 the reference's values. So an RMSNorm is three launches instead of eight or nine: one pass that writes the
 (residual-added) input and its squares, torch's mean, one pass for the rest.
 
-Every mean is taken in a call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction sums a
+Every mean has the bits of a torch call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction sums a
 row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,
 ``ReduceConfig.set_block_dimension``); from 16 rows on, the order is a function of the row length alone. On
 an H200 (torch 2.11), a mean over 2048 fp32 squares differed in ~23% of rows between calls of 1-15 rows and
 calls of 16 or more; rows of 128 or fewer did not differ. The trainer's norms see its B x T positions, at
 least 16 in any real batch, so a decode step of fewer than 16 sequences (or a short prefill) must not take
 its mean on its own rows: the zero rows added to reach 16 change no other row.
+
+Means in the square pass. For rows of N = 128 J < 8192 fp32 squares that order is, per torch's source
+(``input_vectorized_thread_reduce_impl``, then ``block_x_reduce``): 32 lanes, lane l keeping four sums, sum i
+adding elements 4 (l + 32 j) + i in j order from 0.0; the four added in order; the lanes by a shuffle tree
+with offsets 16, 8, .., 1; then times fp32(1 / N). ``row_mean_emulated`` is that order in PyTorch; on CUDA the
+square pass computes it itself and writes the mean (one launch, no squares buffer, no torch mean), once the
+first-use probe (``_probe.proven``) found it bitwise equal to torch's mean on this GPU; any other width, a
+failed probe, or the CPU (whose torch sums in its own order) takes torch's mean as before.
 
 Paths: ``backend`` as everywhere in minite.kernels (Triton on CUDA, the reference on CPU, the interpreter
 for "triton" on CPU). The Triton path needs the weight and cache dtypes the sampler uses (weight in x's
@@ -60,6 +68,60 @@ def row_mean(t: torch.Tensor) -> torch.Tensor:
     padded = t.new_zeros(MEAN_MIN_ROWS, n)
     padded[:rows] = t.reshape(rows, n)
     return padded.mean(-1, keepdim=True)[:rows].reshape(*t.shape[:-1], 1)
+
+
+MEAN_IN_PASS_MAX = 8192  # from N = 8192 torch splits a row across warps (another order)
+
+
+def row_mean_emulated(t: torch.Tensor) -> torch.Tensor:
+    """torch's CUDA mean of each row of fp32 t [R, N] (N = 128 J < MEAN_IN_PASS_MAX), in its order (module
+    docstring), [R, 1]: bitwise ``row_mean`` on the GPU, the square pass's order anywhere."""
+    r, n = t.shape
+    if n % 128 or not 0 < n < MEAN_IN_PASS_MAX:
+        raise ValueError(f"row length {n}: the emulated order covers multiples of 128 below {MEAN_IN_PASS_MAX}")
+    chunks = t.to(torch.float32).reshape(r, n // 128, 32, 4)
+    acc = torch.zeros(r, 32, 4, dtype=torch.float32, device=t.device)
+    for j in range(n // 128):
+        acc = acc + chunks[:, j]
+    c = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
+    while c.shape[1] > 1:
+        c = c[:, :c.shape[1] // 2] + c[:, c.shape[1] // 2:]
+    return c * _inv(n)
+
+
+def _inv(n: int) -> float:
+    """fp32(1 / n), as torch's MeanOps factor (a float quotient, not the rounding of a double one)."""
+    import numpy as np
+
+    return float(np.float32(1.0) / np.float32(n))
+
+
+def square_mean(x2, res2, summed, mode) -> torch.Tensor:
+    """The square pass with the mean in it (Triton; N = 128 J): var [R, 1] of x2's rows, or of res2 + x2's
+    (then written to ``summed``: rounded to x's dtype for "hf", fp32 for "vllm")."""
+    from ._triton_fused_ops import _square_mean_kernel
+
+    rows, n = x2.shape
+    var = torch.empty(rows, 1, device=x2.device, dtype=torch.float32)
+    if rows:
+        _launch(_square_mean_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
+                0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, _inv(n),
+                HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128, num_warps=1)
+    return var
+
+
+def mean_in_pass(n: int, device) -> bool:
+    """Whether the square pass takes the mean itself for rows of n (CUDA, a covered width, probe passed)."""
+    if device.type != "cuda" or n % 128 or not 0 < n < MEAN_IN_PASS_MAX:
+        return False
+    from . import _probe
+
+    def probe():
+        g = torch.Generator(device="cpu").manual_seed(n)
+        x = torch.randn(256, n, generator=g) * torch.exp2(torch.randint(-8, 9, (256, 1), generator=g).float())
+        x = x.to(device, torch.bfloat16)
+        return torch.equal(square_mean(x, None, None, "hf"), x.float().pow(2).mean(-1, keepdim=True))
+    return _probe.proven(("row_mean", n), device, probe)
 
 
 def _squares_buffer(rows: int, n: int, device) -> torch.Tensor:
@@ -169,6 +231,8 @@ def norm_prologue(x, mode, residual=None):
         res2 = res2.contiguous()
     hf = mode == "hf"
     summed = None if res2 is None else torch.empty(rows, n, device=x.device, dtype=x.dtype if hf else torch.float32)
+    if mean_in_pass(n, x.device):
+        return (x2 if summed is None else summed), square_mean(x2, res2, summed, mode), summed
     sq = _squares_buffer(rows, n, x.device)
     if rows:
         from ._triton_fused_ops import _square_kernel
@@ -215,9 +279,12 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
 
     dev, rows = qkv.device, b * t
+    in_pass = mean_in_pass(d, dev)
     # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows, where
-    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call)
-    sq = _squares_buffer(rows * (n_q + n_kv), d, dev)
+    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call);
+    # or the means themselves, from the square pass
+    sq = (torch.empty(rows * (n_q + n_kv), 1, device=dev, dtype=torch.float32) if in_pass
+          else _squares_buffer(rows * (n_q + n_kv), d, dev))
     q_sq, k_sq = sq[:rows * n_q], sq[rows * n_q:]
     q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
     k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
@@ -225,8 +292,9 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
     grid = (rows, n_q + n_kv)
-    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, D=d)
-    var = sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
+    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, _inv(d), D=d, MEAN=in_pass,
+            num_warps=1 if in_pass else 4)
+    var = sq if in_pass else sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
     q_var, k_var = var[:rows * n_q], var[rows * n_q:]
     cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
     if cs.stride(-1) != 1 or sn.stride() != cs.stride():
