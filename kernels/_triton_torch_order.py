@@ -25,14 +25,11 @@ def element(v, idx, i):
 
 
 @triton.jit
-def vec4_row_sum(acc):
-    """torch's sum of a row from acc [32, 4] (lane l's four accumulators, ``input_vectorized_thread_reduce``:
-    accumulator i of lane l holds elements 4 (l + 32 j) + i, added in j order from 0.0): the accumulators
-    combined in order, then the 32 lanes by a shuffle tree with decreasing offsets (halves)."""
-    i = tl.arange(0, 4)[None, :]
-    c = tl.sum(tl.where(i == 0, acc, 0.0), axis=1)
-    for k in tl.static_range(1, 4):
-        c = c + tl.sum(tl.where(i == k, acc, 0.0), axis=1)
+def vec4_row_sum(a0, a1, a2, a3):
+    """torch's sum of a row from its 32 lanes' four accumulators a0..a3 [32] (``input_vectorized_thread_reduce``:
+    accumulator i of lane l holds elements 4 (l + 32 j) + i, added in j order from 0.0): the four combined in
+    order, then the lanes by a shuffle tree with decreasing offsets (halves)."""
+    c = ((a0 + a1) + a2) + a3
     lane = tl.arange(0, 32)
     for j in tl.static_range(5):
         c = xor_step(c, lane, 16 >> j)

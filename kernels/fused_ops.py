@@ -5,11 +5,12 @@
         -> (q [B, Hq, T, D], k [B, Hkv, T, D]); ``cache`` = (k_cache, v_cache, slots [B], positions [B, T]):
         the rotated keys and the values are also written to k_cache / v_cache [slots, Hkv, S, D]
     silu_mul(gate, up, mode, backend=None) -> SiLU(gate) * up
-    sort_by_expert(ids, num_experts, backend=None) -> (perm, rows, offsets): ids [T, k] the experts each token
-        is routed to; perm [T*k] torch.sort(ids.flatten(), stable=True)'s permutation, rows = perm // k (the
-        token of each sorted row), offsets [E+1] (int64) the first sorted row of each expert, then T*k
-    combine_experts(y, perm, weights, mode, backend=None) -> [T, H]: routed rows y [T*k, H] (sorted by expert;
-        perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
+    sort_by_expert(ids, num_experts, backend=None, inverse=False) -> (perm, rows, offsets[, inv]): ids [T, k]
+        the experts each token is routed to; perm [T*k] torch.sort(ids.flatten(), stable=True)'s permutation,
+        rows = perm // k (the token of each sorted row), offsets [E+1] (int64) the first sorted row of each
+        expert, then T*k; inv [T*k]: the sorted place of each (token, k) (perm's inverse)
+    combine_experts(y, perm, weights, mode, backend=None, inv=None) -> [T, H]: routed rows y [T*k, H] (sorted by
+        expert; perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
 
 ``mode`` is the sampler's non-GEMM numerics (minite.engines.sampler_ops): "hf" rounds to the input dtype
 after every op, as transformers' modules do op by op (the aligned arm's sampler must equal its trainer, an
@@ -187,10 +188,14 @@ def silu_mul_reference(gate, up, mode):
     return (torch.nn.functional.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
 
 
-def sort_by_expert_reference(ids, num_experts):
+def sort_by_expert_reference(ids, num_experts, inverse=False):
     expert_sorted, perm = torch.sort(ids.reshape(-1), stable=True)
     bounds = torch.arange(num_experts + 1, device=ids.device, dtype=expert_sorted.dtype)
-    return perm, perm // ids.shape[-1], torch.searchsorted(expert_sorted, bounds)
+    out = (perm, perm // ids.shape[-1], torch.searchsorted(expert_sorted, bounds))
+    if not inverse:
+        return out
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return (*out, inv)
 
 
 def combine_experts_reference(y, perm, weights, mode):
@@ -334,11 +339,11 @@ def silu_mul(gate, up, mode, backend=None):
     return out
 
 
-def sort_by_expert(ids, num_experts, backend=None):
+def sort_by_expert(ids, num_experts, backend=None, inverse=False):
     """See the module docstring. A counting sort, one program per expert: the rows of smaller experts come
     first, then its own rows in their order (exactly a stable sort's permutation)."""
     if not _use_triton(backend, ids) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        return sort_by_expert_reference(ids, num_experts)
+        return sort_by_expert_reference(ids, num_experts, inverse)
     from ._triton_fused_ops import _expert_sort_kernel
 
     n = ids.numel()
@@ -346,13 +351,69 @@ def sort_by_expert(ids, num_experts, backend=None):
     perm = torch.empty(n, dtype=torch.int64, device=ids.device)
     rows = torch.empty(n, dtype=torch.int64, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=ids.device)
-    _launch(_expert_sort_kernel, (num_experts,), flat, perm, rows, offsets, n, ids.shape[-1], num_experts,
-            BLOCK_N=min(4096, _block(n)), num_warps=4)
-    return perm, rows, offsets
+    inv = torch.empty(n, dtype=torch.int64, device=ids.device) if inverse else perm
+    _launch(_expert_sort_kernel, (num_experts,), flat, perm, rows, offsets, inv, n, ids.shape[-1], num_experts,
+            BLOCK_N=min(4096, _block(n)), INV=inverse, num_warps=4)
+    return (perm, rows, offsets, inv) if inverse else (perm, rows, offsets)
 
 
-def combine_experts(y, perm, weights, mode, backend=None):
-    """See the module docstring."""
+def combine_experts_emulated(y, inv, weights, mode):
+    """``_gather_combine_kernel``'s arithmetic in PyTorch (torch's CUDA order of the sum over k, emulated):
+    bitwise ``combine_experts_reference`` on the GPU, the kernel's reference under the interpreter."""
+    t, k = weights.shape
+    rows = y[inv.reshape(t, k)].to(torch.float32)                     # [T, k, H]
+    prod = rows * weights.to(torch.float32)[:, :, None]
+    if mode == "hf":
+        prod = prod.to(y.dtype).to(torch.float32)
+    acc = [torch.zeros_like(prod[:, 0]) for _ in range(4)]
+    for j in range(k):
+        acc[j % 4] = acc[j % 4] + prod[:, j]
+    return (((acc[0] + acc[1]) + acc[2]) + acc[3]).to(y.dtype)
+
+
+COMBINE_MAX_K = 32  # torch sums k <= 32 rows in one thread (more: split across warps, another order)
+
+
+def _gather_combine(y, inv, weights, mode):
+    """One pass (``_gather_combine_kernel``): each token's k rows read through ``inv``, weighted, summed in the
+    order of torch's sum over k, rounded once."""
+    from ._triton_fused_ops import _gather_combine_kernel
+
+    t, k = weights.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, device=y.device, dtype=y.dtype)
+    if t:
+        _launch(_gather_combine_kernel, (t, _cdiv(h, 1024)), y, y.stride(0), inv, weights.contiguous(), out, h,
+                K=k, HF=mode == "hf", BLOCK=1024)
+    return out
+
+
+def combine_in_one_pass(y, weights, mode) -> bool:
+    """Whether the gathered one-pass combine runs here (CUDA, k <= COMBINE_MAX_K, probe passed): its order
+    is torch's sum over dim 1 as read from torch's source (``thread_reduce``), and the first-use probe checks
+    it against torch on this GPU, on products of wide magnitudes and both signs (sums that cancel)."""
+    t, k = weights.shape
+    if y.device.type != "cuda" or k > COMBINE_MAX_K:
+        return False
+    from . import _probe
+
+    def probe():
+        g = torch.Generator(device="cpu").manual_seed(k)
+        rows, h = 64, y.shape[1]
+        scale = torch.exp2(torch.randint(-12, 13, (rows * k, h), generator=g).float())
+        yy = (torch.randn(rows * k, h, generator=g) * scale).to(y.device, y.dtype)
+        ids = torch.stack([torch.randperm(128, generator=g)[:k] for _ in range(rows)]).to(y.device)
+        ww = torch.rand(rows, k, generator=g).to(y.device, weights.dtype)
+        perm, _, _, inv = sort_by_expert_reference(ids, 128, inverse=True)
+        want = combine_experts_reference(yy, perm, ww, mode)
+        return torch.equal(_gather_combine(yy, inv, ww, mode).view(torch.int16), want.view(torch.int16))
+    return _probe.proven(("combine", k, y.shape[1], y.dtype, weights.dtype, mode), y.device, probe)
+
+
+def combine_experts(y, perm, weights, mode, backend=None, inv=None):
+    """See the module docstring. With ``inv`` (``sort_by_expert(..., inverse=True)``), on CUDA: one gathered
+    pass in torch's order of the sum, once the probe has matched it to torch here; else a weighted scatter
+    and torch's sum."""
     _check_mode(mode)
     if not _use_triton(backend, y) or y.stride(-1) != 1 or weights.dtype not in (y.dtype, torch.float32):
         return combine_experts_reference(y, perm, weights, mode)
@@ -363,6 +424,8 @@ def combine_experts(y, perm, weights, mode, backend=None):
     prod_dtype = y.dtype if mode == "hf" else torch.float32
     if mode == "hf" and weights.dtype != y.dtype:
         return combine_experts_reference(y, perm, weights, mode)
+    if inv is not None and y.dtype in (torch.bfloat16, torch.float16) and combine_in_one_pass(y, weights, mode):
+        return _gather_combine(y, inv, weights, mode)
     prod = torch.empty(t, k, h, device=y.device, dtype=prod_dtype)
     if s:
         _launch(_weighted_scatter_kernel, (s, _cdiv(h, 1024)), y, y.stride(0), perm,

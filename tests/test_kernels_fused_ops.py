@@ -273,3 +273,39 @@ def test_gpu_square_pass_means_are_torchs():
             sq = _rand((rows, n), n + rows, "cuda").float().pow(2)
             _same(F.row_mean_emulated(sq), sq.mean(-1, keepdim=True))
         assert F.mean_in_pass(n, torch.device("cuda")), _probe.verdicts("('row_mean'")
+
+
+# ------------------------------------------------------------------------------------------- one-pass combine
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t,k", [(5, 8), (3, 6), (4, 1)])
+def test_gather_combine_kernel_equals_its_emulation(mode, t, k):
+    """The gathered combine (the interpreter) is its PyTorch emulation bitwise; the sort's inverse is perm's."""
+    g = torch.Generator().manual_seed(t * k)
+    ids = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)])
+    perm, rows, offs, inv = F.sort_by_expert(ids, 16, backend="triton", inverse=True)
+    want = F.sort_by_expert_reference(ids, 16, inverse=True)
+    for a, b in zip((perm, rows, offs, inv), want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(perm[inv], torch.arange(t * k))
+    y = _rand((t * k, 1100), 3, spread=8.0)
+    w = torch.rand(t, k, generator=g).to(torch.bfloat16 if mode == "hf" else torch.float32)
+    _same(F._gather_combine(y, inv, w, mode), F.combine_experts_emulated(y, inv, w, mode))
+    assert not F.combine_in_one_pass(y, w, mode)  # CPU: the scatter and torch's sum
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_one_pass_combine_is_torchs(mode):
+    """On the GPU the emulated order is torch's sum over k, the probe passes, and combine_experts with the
+    sort's inverse equals its reference bitwise (products of wide magnitudes, both signs)."""
+    for t, k, seed in ((64, 8, 0), (1, 8, 1), (200, 8, 2), (64, 6, 3)):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(128, generator=g)[:k] for _ in range(t)]).cuda()
+        perm, _, _, inv = F.sort_by_expert(ids, 128, inverse=True)
+        y = _rand((t * k, 2048), seed, "cuda", spread=8.0)
+        w = torch.rand(t, k, generator=g).to("cuda", torch.bfloat16 if mode == "hf" else torch.float32)
+        want = F.combine_experts_reference(y, perm, w, mode)
+        _same(F.combine_experts_emulated(y, inv, w, mode), want)
+        assert F.combine_in_one_pass(y, w, mode)
+        _same(F.combine_experts(y, perm, w, mode, inv=inv), want)
