@@ -39,6 +39,8 @@ exact pure PyTorch on CPU.
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
         inverse-CDF sampling, one draw per row, CUDA-graph safe; three Triton passes without top_p.
+    route(logits, top_k, norm_topk, mode, dtype=None, backend=None) -> (weights [T, k], ids [T, k])
+        MoE routing (fp32 softmax, top-k, renormalisation, cast) in one pass, bitwise torch's CUDA ops.
     record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens, ...)
         the decode step's token / log-prob / stop bookkeeping in one launch.
     fused_ops: the decode step's non-GEMM ops (RMSNorm with its residual add, q/k norm + rotary + KV-cache
@@ -55,6 +57,7 @@ from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_n
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
 from .sampling import record_tokens, sample_tokens
+from .routing import route
 from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
@@ -62,4 +65,4 @@ __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_sil
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
-           "sample_tokens", "record_tokens", "fused_ops"]
+           "sample_tokens", "record_tokens", "route", "fused_ops"]

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ._backend import interpreter_on
 from ._triton_round import round_to
+from ._triton_torch_order import vec4_row_sum
 
 if interpreter_on():
     @triton.jit
@@ -63,6 +64,41 @@ def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.cons
 
 
 @triton.jit
+def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
+                        HF: tl.constexpr, J: tl.constexpr):
+    """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares: the order
+    of torch's mean over rows of N (``fused_ops.row_mean_emulated``), then times fp32(1 / N) as its MeanOps.
+    One warp; lane l's accumulator i reads elements 128 j + 4 l + i."""
+    r = tl.program_id(0).to(tl.int64)
+    lane4 = tl.arange(0, 32) * 4
+    a0 = tl.zeros([32], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    for j in tl.static_range(J):
+        for i in tl.static_range(4):
+            c = j * 128 + lane4 + i
+            xv = tl.load(x + r * x_stride + c)
+            if HAS_RES:
+                s = tl.load(res + r * res_stride + c).to(tl.float32) + xv.to(tl.float32)
+                if HF:
+                    s = round_to(s, xv.dtype)
+                tl.store(summed + r * (128 * J) + c, s)
+                h = s.to(tl.float32)
+            else:
+                h = xv.to(tl.float32)
+            if i == 0:
+                a0 = a0 + h * h
+            elif i == 1:
+                a1 = a1 + h * h
+            elif i == 2:
+                a2 = a2 + h * h
+            else:
+                a3 = a3 + h * h
+    tl.store(var + r, vec4_row_sum(a0, a1, a2, a3) * inv_n)
+
+
+@triton.jit
 def _norm_half(x, inv, w, HF: tl.constexpr):
     """A row (or half a head row)'s RMSNorm output, in the activations' dtype."""
     h = x.to(tl.float32)
@@ -88,16 +124,35 @@ def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.conste
 
 
 @triton.jit
-def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr):
-    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row."""
+def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, inv_d, D: tl.constexpr, MEAN: tl.constexpr):
+    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row,
+    or (MEAN, D = 128 J) their mean in torch's order (as ``_square_mean_kernel``), one value per head."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    cols = tl.arange(0, D)
-    x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
-    if h < NQ:
-        tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
+    if MEAN:
+        base = qkv + i * row_stride + h * D + tl.arange(0, 32) * 4
+        a0 = tl.zeros([32], dtype=tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        for j in tl.static_range(D // 128):  # lane l's accumulator k: elements 128 j + 4 l + k
+            x0 = tl.load(base + j * 128).to(tl.float32)
+            x1 = tl.load(base + j * 128 + 1).to(tl.float32)
+            x2 = tl.load(base + j * 128 + 2).to(tl.float32)
+            x3 = tl.load(base + j * 128 + 3).to(tl.float32)
+            a0, a1, a2, a3 = a0 + x0 * x0, a1 + x1 * x1, a2 + x2 * x2, a3 + x3 * x3
+        m = vec4_row_sum(a0, a1, a2, a3) * inv_d
+        if h < NQ:
+            tl.store(q_sq + i * NQ + h, m)
+        else:
+            tl.store(k_sq + i * NKV + (h - NQ), m)
     else:
-        tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
+        cols = tl.arange(0, D)
+        x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
+        if h < NQ:
+            tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
+        else:
+            tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
 
 
 @triton.jit
@@ -183,9 +238,9 @@ def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLO
 
 
 @triton.jit
-def _expert_sort_kernel(ids, perm, rows, offsets, n, K, E, BLOCK_N: tl.constexpr):
+def _expert_sort_kernel(ids, perm, rows, offsets, inv, n, K, E, BLOCK_N: tl.constexpr, INV: tl.constexpr):
     """Program e: the rows routed to expert e, in their order (a stable sort), placed after the rows of every
-    smaller expert; writes offsets[e] (the last program offsets[E] = n as well)."""
+    smaller expert; writes offsets[e] (the last program offsets[E] = n as well), and (INV) each row's place."""
     e = tl.program_id(0)
     before = tl.sum(tl.zeros([BLOCK_N], tl.int64), axis=0)  # rows of experts < e
     mine = before                                            # rows of expert e seen so far
@@ -200,6 +255,8 @@ def _expert_sort_kernel(ids, perm, rows, offsets, n, K, E, BLOCK_N: tl.constexpr
         pos = before + mine + tl.cumsum(hit, axis=0) - hit
         tl.store(perm + pos, i.to(tl.int64), mask=hit > 0)
         tl.store(rows + pos, (i // K).to(tl.int64), mask=hit > 0)
+        if INV:
+            tl.store(inv + i, pos, mask=hit > 0)
         mine += tl.sum(hit, axis=0)
     tl.store(offsets + e, before)
     if e == E - 1:
@@ -216,3 +273,35 @@ def _weighted_scatter_kernel(y, y_stride, perm, weights, prod, N, BLOCK: tl.cons
     wv = tl.load(weights + d).to(tl.float32)
     yv = tl.load(y + r * y_stride + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(prod + d * N + cols, round_to(yv * wv, prod.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gather_combine_kernel(y, y_stride, inv, weights, out, N, K: tl.constexpr, HF: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """out[t] = the sum over j < K of y[inv[t K + j]] * weights[t, j] ("hf": each product rounded to y's
+    dtype; "vllm": fp32), in the order of torch's sum over dim 1 of [T, K, N] (``thread_reduce``: four
+    accumulators from 0.0, accumulator i adding j = i, i + 4, .. in order, then the four in order), rounded
+    once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    a0 = tl.zeros([BLOCK], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    for j in tl.static_range(K):
+        r = tl.load(inv + t * K + j)
+        wv = tl.load(weights + t * K + j).to(tl.float32)
+        yv = tl.load(y + r * y_stride + cols, mask=m, other=0.0)
+        pv = yv.to(tl.float32) * wv
+        if HF:
+            pv = round_to(pv, yv.dtype).to(tl.float32)
+        if j % 4 == 0:
+            a0 = a0 + pv
+        elif j % 4 == 1:
+            a1 = a1 + pv
+        elif j % 4 == 2:
+            a2 = a2 + pv
+        else:
+            a3 = a3 + pv
+    tl.store(out + t * N + cols, round_to(((a0 + a1) + a2) + a3, out.dtype.element_ty), mask=m)

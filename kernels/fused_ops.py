@@ -5,11 +5,12 @@
         -> (q [B, Hq, T, D], k [B, Hkv, T, D]); ``cache`` = (k_cache, v_cache, slots [B], positions [B, T]):
         the rotated keys and the values are also written to k_cache / v_cache [slots, Hkv, S, D]
     silu_mul(gate, up, mode, backend=None) -> SiLU(gate) * up
-    sort_by_expert(ids, num_experts, backend=None) -> (perm, rows, offsets): ids [T, k] the experts each token
-        is routed to; perm [T*k] torch.sort(ids.flatten(), stable=True)'s permutation, rows = perm // k (the
-        token of each sorted row), offsets [E+1] (int64) the first sorted row of each expert, then T*k
-    combine_experts(y, perm, weights, mode, backend=None) -> [T, H]: routed rows y [T*k, H] (sorted by expert;
-        perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
+    sort_by_expert(ids, num_experts, backend=None, inverse=False) -> (perm, rows, offsets[, inv]): ids [T, k]
+        the experts each token is routed to; perm [T*k] torch.sort(ids.flatten(), stable=True)'s permutation,
+        rows = perm // k (the token of each sorted row), offsets [E+1] (int64) the first sorted row of each
+        expert, then T*k; inv [T*k]: the sorted place of each (token, k) (perm's inverse)
+    combine_experts(y, perm, weights, mode, backend=None, inv=None) -> [T, H]: routed rows y [T*k, H] (sorted by
+        expert; perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
 
 ``mode`` is the sampler's non-GEMM numerics (minite.engines.sampler_ops): "hf" rounds to the input dtype
 after every op, as transformers' modules do op by op (the aligned arm's sampler must equal its trainer, an
@@ -23,13 +24,21 @@ contraction), but a reduction's order cannot: every mean (RMSNorm's variance) st
 the reference's values. So an RMSNorm is three launches instead of eight or nine: one pass that writes the
 (residual-added) input and its squares, torch's mean, one pass for the rest.
 
-Every mean is taken in a call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction sums a
+Every mean has the bits of a torch call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction sums a
 row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,
 ``ReduceConfig.set_block_dimension``); from 16 rows on, the order is a function of the row length alone. On
 an H200 (torch 2.11), a mean over 2048 fp32 squares differed in ~23% of rows between calls of 1-15 rows and
 calls of 16 or more; rows of 128 or fewer did not differ. The trainer's norms see its B x T positions, at
 least 16 in any real batch, so a decode step of fewer than 16 sequences (or a short prefill) must not take
 its mean on its own rows: the zero rows added to reach 16 change no other row.
+
+Means in the square pass. For rows of N = 128 J < 8192 fp32 squares that order is, per torch's source
+(``input_vectorized_thread_reduce_impl``, then ``block_x_reduce``): 32 lanes, lane l keeping four sums, sum i
+adding elements 4 (l + 32 j) + i in j order from 0.0; the four added in order; the lanes by a shuffle tree
+with offsets 16, 8, .., 1; then times fp32(1 / N). ``row_mean_emulated`` is that order in PyTorch; on CUDA the
+square pass computes it itself and writes the mean (one launch, no squares buffer, no torch mean), once the
+first-use probe (``_probe.proven``) found it bitwise equal to torch's mean on this GPU; any other width, a
+failed probe, or the CPU (whose torch sums in its own order) takes torch's mean as before.
 
 Paths: ``backend`` as everywhere in minite.kernels (Triton on CUDA, the reference on CPU, the interpreter
 for "triton" on CPU). The Triton path needs the weight and cache dtypes the sampler uses (weight in x's
@@ -60,6 +69,60 @@ def row_mean(t: torch.Tensor) -> torch.Tensor:
     padded = t.new_zeros(MEAN_MIN_ROWS, n)
     padded[:rows] = t.reshape(rows, n)
     return padded.mean(-1, keepdim=True)[:rows].reshape(*t.shape[:-1], 1)
+
+
+MEAN_IN_PASS_MAX = 8192  # from N = 8192 torch splits a row across warps (another order)
+
+
+def row_mean_emulated(t: torch.Tensor) -> torch.Tensor:
+    """torch's CUDA mean of each row of fp32 t [R, N] (N = 128 J < MEAN_IN_PASS_MAX), in its order (module
+    docstring), [R, 1]: bitwise ``row_mean`` on the GPU, the square pass's order anywhere."""
+    r, n = t.shape
+    if n % 128 or not 0 < n < MEAN_IN_PASS_MAX:
+        raise ValueError(f"row length {n}: the emulated order covers multiples of 128 below {MEAN_IN_PASS_MAX}")
+    chunks = t.to(torch.float32).reshape(r, n // 128, 32, 4)
+    acc = torch.zeros(r, 32, 4, dtype=torch.float32, device=t.device)
+    for j in range(n // 128):
+        acc = acc + chunks[:, j]
+    c = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
+    while c.shape[1] > 1:
+        c = c[:, :c.shape[1] // 2] + c[:, c.shape[1] // 2:]
+    return c * _inv(n)
+
+
+def _inv(n: int) -> float:
+    """fp32(1 / n), as torch's MeanOps factor (a float quotient, not the rounding of a double one)."""
+    import numpy as np
+
+    return float(np.float32(1.0) / np.float32(n))
+
+
+def square_mean(x2, res2, summed, mode) -> torch.Tensor:
+    """The square pass with the mean in it (Triton; N = 128 J): var [R, 1] of x2's rows, or of res2 + x2's
+    (then written to ``summed``: rounded to x's dtype for "hf", fp32 for "vllm")."""
+    from ._triton_fused_ops import _square_mean_kernel
+
+    rows, n = x2.shape
+    var = torch.empty(rows, 1, device=x2.device, dtype=torch.float32)
+    if rows:
+        _launch(_square_mean_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
+                0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, _inv(n),
+                HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128, num_warps=1)
+    return var
+
+
+def mean_in_pass(n: int, device) -> bool:
+    """Whether the square pass takes the mean itself for rows of n (CUDA, a covered width, probe passed)."""
+    if device.type != "cuda" or n % 128 or not 0 < n < MEAN_IN_PASS_MAX:
+        return False
+    from . import _probe
+
+    def probe():
+        g = torch.Generator(device="cpu").manual_seed(n)
+        x = torch.randn(256, n, generator=g) * torch.exp2(torch.randint(-8, 9, (256, 1), generator=g).float())
+        x = x.to(device, torch.bfloat16)
+        return torch.equal(square_mean(x, None, None, "hf"), x.float().pow(2).mean(-1, keepdim=True))
+    return _probe.proven(("row_mean", n), device, probe)
 
 
 def _squares_buffer(rows: int, n: int, device) -> torch.Tensor:
@@ -125,10 +188,14 @@ def silu_mul_reference(gate, up, mode):
     return (torch.nn.functional.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
 
 
-def sort_by_expert_reference(ids, num_experts):
+def sort_by_expert_reference(ids, num_experts, inverse=False):
     expert_sorted, perm = torch.sort(ids.reshape(-1), stable=True)
     bounds = torch.arange(num_experts + 1, device=ids.device, dtype=expert_sorted.dtype)
-    return perm, perm // ids.shape[-1], torch.searchsorted(expert_sorted, bounds)
+    out = (perm, perm // ids.shape[-1], torch.searchsorted(expert_sorted, bounds))
+    if not inverse:
+        return out
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return (*out, inv)
 
 
 def combine_experts_reference(y, perm, weights, mode):
@@ -169,6 +236,8 @@ def norm_prologue(x, mode, residual=None):
         res2 = res2.contiguous()
     hf = mode == "hf"
     summed = None if res2 is None else torch.empty(rows, n, device=x.device, dtype=x.dtype if hf else torch.float32)
+    if mean_in_pass(n, x.device):
+        return (x2 if summed is None else summed), square_mean(x2, res2, summed, mode), summed
     sq = _squares_buffer(rows, n, x.device)
     if rows:
         from ._triton_fused_ops import _square_kernel
@@ -215,9 +284,12 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
 
     dev, rows = qkv.device, b * t
+    in_pass = mean_in_pass(d, dev)
     # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows, where
-    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call)
-    sq = _squares_buffer(rows * (n_q + n_kv), d, dev)
+    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call);
+    # or the means themselves, from the square pass
+    sq = (torch.empty(rows * (n_q + n_kv), 1, device=dev, dtype=torch.float32) if in_pass
+          else _squares_buffer(rows * (n_q + n_kv), d, dev))
     q_sq, k_sq = sq[:rows * n_q], sq[rows * n_q:]
     q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
     k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
@@ -225,8 +297,9 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
     grid = (rows, n_q + n_kv)
-    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, D=d)
-    var = sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
+    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, _inv(d), D=d, MEAN=in_pass,
+            num_warps=1 if in_pass else 4)
+    var = sq if in_pass else sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
     q_var, k_var = var[:rows * n_q], var[rows * n_q:]
     cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
     if cs.stride(-1) != 1 or sn.stride() != cs.stride():
@@ -266,11 +339,11 @@ def silu_mul(gate, up, mode, backend=None):
     return out
 
 
-def sort_by_expert(ids, num_experts, backend=None):
+def sort_by_expert(ids, num_experts, backend=None, inverse=False):
     """See the module docstring. A counting sort, one program per expert: the rows of smaller experts come
     first, then its own rows in their order (exactly a stable sort's permutation)."""
     if not _use_triton(backend, ids) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        return sort_by_expert_reference(ids, num_experts)
+        return sort_by_expert_reference(ids, num_experts, inverse)
     from ._triton_fused_ops import _expert_sort_kernel
 
     n = ids.numel()
@@ -278,13 +351,69 @@ def sort_by_expert(ids, num_experts, backend=None):
     perm = torch.empty(n, dtype=torch.int64, device=ids.device)
     rows = torch.empty(n, dtype=torch.int64, device=ids.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=ids.device)
-    _launch(_expert_sort_kernel, (num_experts,), flat, perm, rows, offsets, n, ids.shape[-1], num_experts,
-            BLOCK_N=min(4096, _block(n)), num_warps=4)
-    return perm, rows, offsets
+    inv = torch.empty(n, dtype=torch.int64, device=ids.device) if inverse else perm
+    _launch(_expert_sort_kernel, (num_experts,), flat, perm, rows, offsets, inv, n, ids.shape[-1], num_experts,
+            BLOCK_N=min(4096, _block(n)), INV=inverse, num_warps=4)
+    return (perm, rows, offsets, inv) if inverse else (perm, rows, offsets)
 
 
-def combine_experts(y, perm, weights, mode, backend=None):
-    """See the module docstring."""
+def combine_experts_emulated(y, inv, weights, mode):
+    """``_gather_combine_kernel``'s arithmetic in PyTorch (torch's CUDA order of the sum over k, emulated):
+    bitwise ``combine_experts_reference`` on the GPU, the kernel's reference under the interpreter."""
+    t, k = weights.shape
+    rows = y[inv.reshape(t, k)].to(torch.float32)                     # [T, k, H]
+    prod = rows * weights.to(torch.float32)[:, :, None]
+    if mode == "hf":
+        prod = prod.to(y.dtype).to(torch.float32)
+    acc = [torch.zeros_like(prod[:, 0]) for _ in range(4)]
+    for j in range(k):
+        acc[j % 4] = acc[j % 4] + prod[:, j]
+    return (((acc[0] + acc[1]) + acc[2]) + acc[3]).to(y.dtype)
+
+
+COMBINE_MAX_K = 32  # torch sums k <= 32 rows in one thread (more: split across warps, another order)
+
+
+def _gather_combine(y, inv, weights, mode):
+    """One pass (``_gather_combine_kernel``): each token's k rows read through ``inv``, weighted, summed in the
+    order of torch's sum over k, rounded once."""
+    from ._triton_fused_ops import _gather_combine_kernel
+
+    t, k = weights.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, device=y.device, dtype=y.dtype)
+    if t:
+        _launch(_gather_combine_kernel, (t, _cdiv(h, 1024)), y, y.stride(0), inv, weights.contiguous(), out, h,
+                K=k, HF=mode == "hf", BLOCK=1024)
+    return out
+
+
+def combine_in_one_pass(y, weights, mode) -> bool:
+    """Whether the gathered one-pass combine runs here (CUDA, k <= COMBINE_MAX_K, probe passed): its order
+    is torch's sum over dim 1 as read from torch's source (``thread_reduce``), and the first-use probe checks
+    it against torch on this GPU, on products of wide magnitudes and both signs (sums that cancel)."""
+    t, k = weights.shape
+    if y.device.type != "cuda" or k > COMBINE_MAX_K:
+        return False
+    from . import _probe
+
+    def probe():
+        g = torch.Generator(device="cpu").manual_seed(k)
+        rows, h = 64, y.shape[1]
+        scale = torch.exp2(torch.randint(-12, 13, (rows * k, h), generator=g).float())
+        yy = (torch.randn(rows * k, h, generator=g) * scale).to(y.device, y.dtype)
+        ids = torch.stack([torch.randperm(128, generator=g)[:k] for _ in range(rows)]).to(y.device)
+        ww = torch.rand(rows, k, generator=g).to(y.device, weights.dtype)
+        perm, _, _, inv = sort_by_expert_reference(ids, 128, inverse=True)
+        want = combine_experts_reference(yy, perm, ww, mode)
+        return torch.equal(_gather_combine(yy, inv, ww, mode).view(torch.int16), want.view(torch.int16))
+    return _probe.proven(("combine", k, y.shape[1], y.dtype, weights.dtype, mode), y.device, probe)
+
+
+def combine_experts(y, perm, weights, mode, backend=None, inv=None):
+    """See the module docstring. With ``inv`` (``sort_by_expert(..., inverse=True)``), on CUDA: one gathered
+    pass in torch's order of the sum, once the probe has matched it to torch here; else a weighted scatter
+    and torch's sum."""
     _check_mode(mode)
     if not _use_triton(backend, y) or y.stride(-1) != 1 or weights.dtype not in (y.dtype, torch.float32):
         return combine_experts_reference(y, perm, weights, mode)
@@ -295,6 +424,8 @@ def combine_experts(y, perm, weights, mode, backend=None):
     prod_dtype = y.dtype if mode == "hf" else torch.float32
     if mode == "hf" and weights.dtype != y.dtype:
         return combine_experts_reference(y, perm, weights, mode)
+    if inv is not None and y.dtype in (torch.bfloat16, torch.float16) and combine_in_one_pass(y, weights, mode):
+        return _gather_combine(y, inv, weights, mode)
     prod = torch.empty(t, k, h, device=y.device, dtype=prod_dtype)
     if s:
         _launch(_weighted_scatter_kernel, (s, _cdiv(h, 1024)), y, y.stride(0), perm,

@@ -214,3 +214,98 @@ def test_gpu_fused_ops_bitwise_at_qwen3_30b_a3b_widths(mode):
         for rows in (ids[:t], ids):
             for a, b in zip(F.sort_by_expert(rows, 128), F.sort_by_expert_reference(rows, 128), strict=True):
                 assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------- means in the pass
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n,with_res", [(128, False), (256, True), (384, True)])
+def test_square_pass_takes_torchs_mean_itself(mode, n, with_res):
+    """The square pass's own mean (the interpreter) is the emulated order of torch's CUDA mean, bitwise, and
+    the residual sum it writes is the reference's."""
+    x, res = _rand((7, n), 1), _rand((7, n), 2, spread=4.0) if with_res else None
+    hf = mode == "hf"
+    summed = None if res is None else torch.empty(7, n, dtype=x.dtype if hf else torch.float32)
+    var = F.square_mean(x, res, summed, mode)
+    src = x.float() if res is None else (res + x).float() if hf else res.float() + x.float()
+    _same(var, F.row_mean_emulated(src.pow(2)))
+    if res is not None:
+        _same(summed, (res + x) if hf else res.float() + x.float())
+
+
+def test_emulated_mean_order():
+    """Lanes of four elements each, combined in halves (lane 0 meets lane 2 before lane 1): 1.0 survives,
+    where a sum in index order, or lanes in adjacent pairs, loses it to 2^30."""
+    t = torch.zeros(1, 128)
+    t[0, 0], t[0, 4], t[0, 8] = 2.0**30, 1.0, -(2.0**30)  # lanes 0, 1, 2
+    assert F.row_mean_emulated(t).item() == 1.0 / 128
+    with pytest.raises(ValueError):
+        F.row_mean_emulated(torch.ones(2, 100))
+    assert not F.mean_in_pass(2048, torch.device("cpu"))  # CPU: torch's own order
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_norms_with_means_in_the_pass_equal_the_emulated_reference(monkeypatch, mode):
+    """The fused norm and q/k norm with the mean taken in their square pass (forced on here, the interpreter)
+    equal the references with torch's CUDA mean order (``row_mean_emulated``): what they are on the GPU."""
+    monkeypatch.setattr(F, "mean_in_pass", lambda n, device: n % 128 == 0)
+    monkeypatch.setattr(F, "row_mean", lambda t: F.row_mean_emulated(t.reshape(-1, t.shape[-1])).reshape(
+        *t.shape[:-1], 1))
+    x, w, res = _rand((2, 3, 256), 1), _rand((256,), 2), _rand((2, 3, 256), 3, spread=4.0)
+    _same(F.rms_norm(x, w, 1e-6, mode, backend="triton"), F.rms_norm_reference(x, w, 1e-6, mode))
+    for g, r in zip(F.rms_norm(x, w, 1e-6, mode, residual=res, backend="triton"),
+                    F.rms_norm_reference(x, w, 1e-6, mode, residual=res), strict=True):
+        _same(g, r)
+    qkv = _rand((2, 1, 4 * 128), 4)
+    args = (2, 1, _rand((128,), 5), _rand((128,), 6), 1e-6, *_cos_sin(2, 1, 128, mode, 7), mode)
+    for g, r in zip(F.qk_norm_rope(qkv, *args, backend="triton"), F.qk_norm_rope_reference(qkv, *args),
+                    strict=True):
+        _same(g, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_square_pass_means_are_torchs():
+    """On the GPU the emulated order is torch's mean (any row count from 16), and the norms use it."""
+    from minite.kernels import _probe
+
+    for n in (128, 768, 2048, 4096):
+        for rows in (16, 64, 1000):
+            sq = _rand((rows, n), n + rows, "cuda").float().pow(2)
+            _same(F.row_mean_emulated(sq), sq.mean(-1, keepdim=True))
+        assert F.mean_in_pass(n, torch.device("cuda")), _probe.verdicts("('row_mean'")
+
+
+# ------------------------------------------------------------------------------------------- one-pass combine
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t,k", [(5, 8), (3, 6), (4, 1)])
+def test_gather_combine_kernel_equals_its_emulation(mode, t, k):
+    """The gathered combine (the interpreter) is its PyTorch emulation bitwise; the sort's inverse is perm's."""
+    g = torch.Generator().manual_seed(t * k)
+    ids = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)])
+    perm, rows, offs, inv = F.sort_by_expert(ids, 16, backend="triton", inverse=True)
+    want = F.sort_by_expert_reference(ids, 16, inverse=True)
+    for a, b in zip((perm, rows, offs, inv), want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(perm[inv], torch.arange(t * k))
+    y = _rand((t * k, 1100), 3, spread=8.0)
+    w = torch.rand(t, k, generator=g).to(torch.bfloat16 if mode == "hf" else torch.float32)
+    _same(F._gather_combine(y, inv, w, mode), F.combine_experts_emulated(y, inv, w, mode))
+    assert not F.combine_in_one_pass(y, w, mode)  # CPU: the scatter and torch's sum
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_one_pass_combine_is_torchs(mode):
+    """On the GPU the emulated order is torch's sum over k, the probe passes, and combine_experts with the
+    sort's inverse equals its reference bitwise (products of wide magnitudes, both signs)."""
+    for t, k, seed in ((64, 8, 0), (1, 8, 1), (200, 8, 2), (64, 6, 3)):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.stack([torch.randperm(128, generator=g)[:k] for _ in range(t)]).cuda()
+        perm, _, _, inv = F.sort_by_expert(ids, 128, inverse=True)
+        y = _rand((t * k, 2048), seed, "cuda", spread=8.0)
+        w = torch.rand(t, k, generator=g).to("cuda", torch.bfloat16 if mode == "hf" else torch.float32)
+        want = F.combine_experts_reference(y, perm, w, mode)
+        _same(F.combine_experts_emulated(y, inv, w, mode), want)
+        assert F.combine_in_one_pass(y, w, mode)
+        _same(F.combine_experts(y, perm, w, mode, inv=inv), want)

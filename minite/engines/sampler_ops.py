@@ -256,13 +256,11 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str, dtype: torch.dtype | None = None):
-    """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]). ``dtype``: the activations'
-    (default the logits'); fp32 logits holding model-dtype values give the softmax its input without a cast."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, idx = torch.topk(probs, top_k, dim=-1)
-    if norm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return (top.to(dtype or logits.dtype) if mode == "hf" else top), idx
+    """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]): fp32 softmax, top-k, optional
+    renormalisation, cast to ``dtype`` for "hf" (default the logits'; fp32 logits holding model-dtype values
+    give the softmax its input without a cast). ``minite.kernels.route``: one fused pass on CUDA, bitwise
+    torch's ops (the trainer's), which run on CPU."""
+    return kernels.route(logits, top_k, norm_topk, mode, dtype)
 
 
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
@@ -271,7 +269,7 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
     """Routed experts for tokens x [T, H]: rows sorted by expert, two grouped GEMMs, weighted k-sum. The
     sort and the expert offsets stay on the device (bincount would read its size back). ``codes``: x's codes
     (``rms_norm_for_linears``), which the gate_up GEMM reads."""
-    perm, rows, offsets = fused_ops.sort_by_expert(idx, experts.num_experts)  # a stable sort by expert
+    perm, rows, offsets, inv = fused_ops.sort_by_expert(idx, experts.num_experts, inverse=True)  # stable, by expert
     vrows = None if valid is None else valid[rows]
     stacked = experts.stacked if calib is None else {}
     h = grouped_linear(x, stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
@@ -281,7 +279,7 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
                        f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
                        experts.act_scale.get("down"), silu_mode=recipe.non_gemm)  # input SiLU(gate) * up
     # back to (token, k) order, weighted and summed over k (transformers' grouped_mm experts for "hf")
-    return fused_ops.combine_experts(y, perm, weights, recipe.non_gemm).to(x.dtype)
+    return fused_ops.combine_experts(y, perm, weights, recipe.non_gemm, inv=inv).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ attention
