@@ -20,12 +20,13 @@ Why the passes look as they do. A decode step at batch 64 is ~370 launches, most
 ops at 2-4 us each even inside a CUDA graph; these ops are most of them. Element-wise arithmetic can be
 fused without changing a bit (the kernels do the reference's fp32 operations in its order, round where it
 rounds, use IEEE division and the CUDA math library's expf / rsqrtf, and are compiled without FMA
-contraction), but a reduction's order cannot: every mean (RMSNorm's variance) stays torch's own kernel over
-the reference's values. So an RMSNorm is three launches instead of eight or nine: one pass that writes the
-(residual-added) input and its squares, torch's mean, one pass for the rest.
+contraction), but a reduction only in torch's own order. So an RMSNorm is two launches instead of eight or
+nine: a pass that writes the (residual-added) input and its mean square, the mean summed in the order of
+torch's mean kernel (below), and one pass for the rest; where that order is not covered, torch's mean runs
+between them on the squares. The experts' combine likewise sums over k in the order of torch's sum.
 
-Every mean has the bits of a torch call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction sums a
-row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,
+Every mean has the bits of a torch call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction
+sums a row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,
 ``ReduceConfig.set_block_dimension``); from 16 rows on, the order is a function of the row length alone. On
 an H200 (torch 2.11), a mean over 2048 fp32 squares differed in ~23% of rows between calls of 1-15 rows and
 calls of 16 or more; rows of 128 or fewer did not differ. The trainer's norms see its B x T positions, at

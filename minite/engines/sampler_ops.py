@@ -45,7 +45,7 @@ ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa 
 
 # ------------------------------------------------------------------------------------------- norms / act
 # Each op is ``minite.kernels.fused_ops``: fused Triton passes on CUDA, bit for bit the op-by-op reference
-# (which is what runs on CPU); reductions stay torch's own kernels.
+# (which is what runs on CPU); their sums in torch's own orders (torch's kernels, or passes that reproduce them).
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
     """(norm(residual + x), residual + x). "hf": BF16 add, then the norm of the rounded sum (transformers'
     decoder layer); "vllm": the sum stays fp32 inside the fused op, only the stored residual is rounded."""
