@@ -203,7 +203,7 @@ class Sampler:
         logits = ops.linear(x2, lw.router, self.recipe, calib, valid, out_dtype=torch.float32)  # softmax's input
         weights, idx = ops.route(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob,
                                  self.recipe.non_gemm, dtype=x.dtype)
-        cap("router_logits", logits.to(x.dtype).reshape(b, t, -1))
+        cap("router_logits", lambda: logits.to(x.dtype).reshape(b, t, -1))  # cast only when captured
         cap("topk", idx.reshape(b, t, -1))
         return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid, codes=codes).reshape(b, t, h)
 
@@ -216,9 +216,9 @@ class Sampler:
         rope = self.rotary.tables(pos, h.dtype)
         pending = None  # the last block's output, added into the next norm (fused add + norm)
         for li, lw in enumerate(w.layers):
-            def cap(op, tensor, _li=li):
+            def cap(op, tensor, _li=li):  # tensor: a tensor, or a function making it (only when capturing)
                 if capture is not None:
-                    capture(_li, op, pos, tensor)
+                    capture(_li, op, pos, tensor() if callable(tensor) else tensor)
             # each norm's output is the input of NVFP4 linears: its last pass may also write their codes
             if pending is None:
                 x, _, codes = ops.rms_norm_for_linears(h, lw.input_norm, self.eps, self.recipe, calib=calib)
