@@ -47,22 +47,6 @@ class LogSoftmaxRows(NamedTuple):
         return (self.logits - self.mx[:, None]) - self.logsum[:, None]
 
 
-def _exp(x):
-    if x.device.type == "cuda":
-        return torch.exp(x)
-    import numpy as np  # the interpreter's exp (torch's CPU exp may differ from it in the last bit)
-
-    return torch.from_numpy(np.exp(x.numpy()))
-
-
-def _log(x):
-    if x.device.type == "cuda":
-        return torch.log(x)
-    import numpy as np
-
-    return torch.from_numpy(np.log(x.numpy()))
-
-
 def _fold(v: torch.Tensor) -> torch.Tensor:
     """Lane 0 of a shuffle tree with decreasing offsets over the last dim (halves)."""
     while v.shape[-1] > 1:
@@ -76,7 +60,7 @@ def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
     b, v = logits.shape
     x = logits.to(torch.float32)
     mx = x.amax(-1)
-    e = _exp(x - mx[:, None])
+    e = _backend.kernel_math("exp", x - mx[:, None])
     main = v - v % (ILP * THREADS)
     acc = torch.zeros(b, THREADS, dtype=torch.float32, device=x.device)
     vec = e[:, :main].reshape(b, main // (ILP * THREADS), THREADS, ILP)
@@ -87,7 +71,7 @@ def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
         n = min(THREADS, v - start)
         acc[:, :n] = acc[:, :n] + e[:, start:start + n]
     total = _fold(_fold(acc.view(b, 32, 32)))
-    return LogSoftmaxRows(logits, mx, _log(total))
+    return LogSoftmaxRows(logits, mx, _backend.kernel_math("log", total))
 
 
 def log_softmax_stats(logits: torch.Tensor) -> LogSoftmaxRows:
