@@ -67,3 +67,14 @@ def capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)
     return torch.cuda.get_device_capability(device)
+
+
+def kernel_math(name: str, x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``exp`` / ``log`` as the Triton kernels compute them: CUDA's expf / logf on the GPU (what torch
+    calls too), numpy's on CPU (the interpreter's; torch's CPU versions can differ from it in the last bit).
+    For the PyTorch emulations that serve as those kernels' references."""
+    if x.device.type == "cuda":
+        return getattr(torch, name)(x)
+    import numpy as np
+
+    return torch.from_numpy(getattr(np, name)(x.numpy()))

@@ -81,9 +81,10 @@ def _pick_kernel(logits, stride, temp, block_max, block_sum, uniform, out, V, NB
 
 
 @triton.jit
-def _record_kernel(tok, logp, lp_stride, slots, nxt, end, tokens, logprobs, tab_stride, stopped, stop, ids, pos,
-                   trash, WRITE_TOKENS: tl.constexpr, ADVANCE: tl.constexpr):
-    """Row program_id(0) of ``sampling.record_tokens``: integer moves and one fp32 copy, nothing rounded."""
+def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, logprobs, tab_stride, stopped, stop,
+                   ids, pos, trash, WRITE_TOKENS: tl.constexpr, ADVANCE: tl.constexpr, STATS: tl.constexpr):
+    """Row program_id(0) of ``sampling.record_tokens``: integer moves and one fp32 copy (STATS: logp holds the
+    logits and the log-prob is (logits[tok] - mx) - logsum, torch's epilogue), nothing else rounded."""
     i = tl.program_id(0)
     t = tl.load(tok + i)
     n = tl.load(nxt + i)
@@ -92,7 +93,10 @@ def _record_kernel(tok, logp, lp_stride, slots, nxt, end, tokens, logprobs, tab_
     cell = slot * tab_stride + col
     if WRITE_TOKENS:
         tl.store(tokens + cell, t)
-    tl.store(logprobs + cell, tl.load(logp + i.to(tl.int64) * lp_stride + t))
+    lp = tl.load(logp + i.to(tl.int64) * lp_stride + t)
+    if STATS:
+        lp = (lp - tl.load(mx + i)) - tl.load(logsum + i)
+    tl.store(logprobs + cell, lp)
     tl.store(stopped + slot, tl.load(stopped + slot) | (t == tl.load(stop)))
     if ADVANCE:
         tl.store(ids + i, t)

@@ -72,16 +72,6 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _expf(x: torch.Tensor) -> torch.Tensor:
-    """exp in fp32 as the kernel computes it: CUDA's expf on the GPU (torch's too), numpy's on CPU (the
-    interpreter's; torch's CPU exp can differ from it in the last bit)."""
-    if x.device.type == "cuda":
-        return torch.exp(x)
-    import numpy as np
-
-    return torch.from_numpy(np.exp(x.numpy()))
-
-
 def _fold(v: torch.Tensor, tree: str, lanes: int) -> torch.Tensor:
     """Lane 0's value after a shuffle tree over the first ``lanes`` columns of v [T, >= lanes]."""
     v = v[:, :lanes]
@@ -122,7 +112,7 @@ def route_emulated(logits, top_k: int, norm_topk: bool, mode: str, dtype=None, t
     x[:, :e] = logits.to(torch.float32)
     x = x.view(t, width // w, w)
     mx = x.amax(dim=(1, 2), keepdim=True)
-    ex = _expf(x - mx)
+    ex = _backend.kernel_math("exp", x - mx)
     s = torch.zeros(t, w, dtype=torch.float32, device=logits.device)
     for i in range(width // w):
         s = s + ex[:, i]

@@ -26,15 +26,17 @@ kernel token against a float64 CDF.
         The decode step's bookkeeping for rows i < B, in one launch on CUDA (about ten small PyTorch ops,
         which ``record_tokens_reference`` runs): col = nxt[i] if nxt[i] < end[slots[i]] else ``trash``;
         tokens[slots[i], col] = tok[i] (``write_tokens``); logprobs[slots[i], col] = logp[i, tok[i]] (logp:
-        the [B, V] log-softmax); stopped[slots[i]] |= tok[i] == stop; ``advance`` = (ids, pos): ids[i] =
-        tok[i], pos[i] = nxt[i]. Copies and integer tests only, so both paths write the same values. Rows
-        sharing a slot (padding rows on the dummy slot) write it in an unspecified order, as index_put does.
+        the [B, V] log-softmax, or its ``LogSoftmaxRows``); stopped[slots[i]] |= tok[i] == stop; ``advance`` =
+        (ids, pos): ids[i] = tok[i], pos[i] = nxt[i]. Copies, integer tests and torch's own log-softmax
+        epilogue only, so both paths write the same values. Rows sharing a slot (padding rows on the dummy
+        slot) write it in an unspecified order, as index_put does.
 """
 from __future__ import annotations
 
 import torch
 
 from . import _backend
+from .log_softmax import LogSoftmaxRows
 
 BLOCK = 4096      # logits per block: 37 blocks of a 151,936-id vocabulary, one 16 KB read per pass and block
 
@@ -92,7 +94,8 @@ def record_tokens_reference(tok, logp, slots, nxt, end, tokens, logprobs, stoppe
     col = torch.where(nxt < end[slots], nxt, trash)
     if write_tokens:
         tokens[slots, col] = tok
-    logprobs[slots, col] = logp.gather(-1, tok[:, None]).squeeze(-1)
+    stats = isinstance(logp, LogSoftmaxRows)
+    logprobs[slots, col] = logp.at(tok) if stats else logp.gather(-1, tok[:, None]).squeeze(-1)
     stopped[slots] = stopped[slots] | (tok == stop)
     if advance is not None:
         advance[0].copy_(tok)
@@ -103,9 +106,11 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
                   advance=None, backend: str | None = None) -> None:
     """See the module docstring."""
     b = tok.shape[0]
+    stats = isinstance(logp, LogSoftmaxRows)
+    lp = logp.logits if stats else logp
     ints = [tok, slots, nxt, end, tokens, stop] + list(advance or ())
-    ok = (_backend.resolve(backend, tok.device) == "triton" and logp.dim() == 2 and logp.shape[0] == b
-          and logp.stride(-1) == 1 and logp.dtype == logprobs.dtype == torch.float32 and tokens.is_contiguous()
+    ok = (_backend.resolve(backend, tok.device) == "triton" and lp.dim() == 2 and lp.shape[0] == b
+          and lp.stride(-1) == 1 and lp.dtype == logprobs.dtype == torch.float32 and tokens.is_contiguous()
           and logprobs.is_contiguous() and tokens.stride(0) == logprobs.stride(0) and stopped.dtype == torch.bool
           and all(t.dtype == torch.int64 for t in ints) and all(t.is_contiguous() for t in ints))
     if not ok:
@@ -115,6 +120,6 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
 
     if b:
         ids, pos = advance if advance is not None else (tok, nxt)
-        _record_kernel[(b,)](tok, logp, logp.stride(0), slots, nxt, end, tokens, logprobs, tokens.stride(0),
-                             stopped, stop, ids, pos, trash, WRITE_TOKENS=bool(write_tokens),
-                             ADVANCE=advance is not None, num_warps=1)
+        _record_kernel[(b,)](tok, lp, lp.stride(0), logp.mx if stats else lp, logp.logsum if stats else lp, slots,
+                             nxt, end, tokens, logprobs, tokens.stride(0), stopped, stop, ids, pos, trash,
+                             WRITE_TOKENS=bool(write_tokens), ADVANCE=advance is not None, STATS=stats, num_warps=1)

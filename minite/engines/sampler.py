@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minite import kernels
 from minite.engines import sampler_ops as ops
 from minite.engines.arms import Arm
 from minite.engines.attention import invariant_attention
@@ -260,7 +261,8 @@ class Sampler:
             tok = lf.argmax(dim=-1)
         else:
             tok = ops.sample_tokens(lf, st.temperature, st.top_p if mode == "top_p" else None, st.uniform[slots, nxt])
-        st.emit(tok, torch.log_softmax(lf, dim=-1), slots, nxt, write_tokens=mode != "score", advance=advance)
+        # the trainer's log-softmax bits, as torch's [B, V] result or (where reproduced) its rows' statistics
+        st.emit(tok, kernels.log_softmax_rows(lf), slots, nxt, write_tokens=mode != "score", advance=advance)
         return tok
 
     def _decode_step(self, b: int, mode: str, capture=None) -> None:

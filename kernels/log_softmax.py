@@ -1,0 +1,112 @@
+"""A token's log-prob without the [B, V] log-softmax: each row's max and log-sum in torch's order.
+
+    log_softmax_rows(logits, backend=None) -> torch.Tensor [B, V] | LogSoftmaxRows
+        ``torch.log_softmax(logits, -1)`` for fp32 logits [B, V], or, where torch's order is reproduced, its
+        per-row statistics: ``LogSoftmaxRows(logits, mx, logsum)``, from which the log-prob of token j is
+        (logits[j] - mx) - logsum, the epilogue of torch's kernel (``LogSoftMaxForwardEpilogue``), bit for bit.
+
+Why. The decode step needs the log-prob of one token per row, and the trainer's log-softmax (torch's, over
+the same fp32 logits) must give the same bits. torch writes the whole [B, V] result (a 151,936-id vocabulary
+at batch 64: 39 MB written and read back; 47 us of an H200 decode step); the statistics need two reads.
+
+torch's order (``cunn_SoftMaxForward``, rows of V >= SMEM_MIN fp32 logits, 16-byte aligned): a block of T =
+1024 threads per row; thread t takes the float4 vectors t, t + T, .. of the row's first V - V % 4T elements
+(the four in order), then elements V - V % 4T + t, + T, .. one by one, accumulating exp(x - max) in that
+order from 0.0 (``ilpReduce`` with ``SumExpFloat``); the block then sums its threads with ``BlockReduce``:
+each warp by a shuffle tree (offsets 16 .. 1), then the 32 warp sums by the same tree. The max is exact in
+any order; logsum = logf(sum). Shorter rows take other kernels (the warp softmax, the shared-memory one).
+That order is read from torch's source, so it is not assumed: the first use on a GPU (``_probe.proven``)
+compares whole rows with torch's log-softmax (so logsum itself, at each row's max) and keeps torch's
+log-softmax if any bit differs.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _backend, _probe
+
+THREADS = 1024    # torch's block for rows of >= 1024 logits (SoftMaxForward_getBlockSize)
+ILP = 4           # float4 vectors
+SMEM_MIN = 12288  # from here on the row no longer fits torch's shared-memory kernel (48 KB, another order)
+
+
+class LogSoftmaxRows(NamedTuple):
+    """torch.log_softmax(logits, -1) as its rows' statistics: logits [B, V], mx [B], logsum [B] (fp32)."""
+    logits: torch.Tensor
+    mx: torch.Tensor
+    logsum: torch.Tensor
+
+    def at(self, tok: torch.Tensor) -> torch.Tensor:
+        """Log-probs of tokens tok [B]: (logits[tok] - mx) - logsum."""
+        return (self.logits.gather(-1, tok[:, None]).squeeze(-1) - self.mx) - self.logsum
+
+    def full(self) -> torch.Tensor:
+        """The whole [B, V] log-softmax, by torch's epilogue (its max's entry is -logsum itself)."""
+        return (self.logits - self.mx[:, None]) - self.logsum[:, None]
+
+
+def _fold(v: torch.Tensor) -> torch.Tensor:
+    """Lane 0 of a shuffle tree with decreasing offsets over the last dim (halves)."""
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
+
+
+def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
+    """The statistics in torch's order (module docstring), in PyTorch: the kernel's reference."""
+    b, v = logits.shape
+    x = logits.to(torch.float32)
+    mx = x.amax(-1)
+    e = _backend.kernel_math("exp", x - mx[:, None])
+    main = v - v % (ILP * THREADS)
+    acc = torch.zeros(b, THREADS, dtype=torch.float32, device=x.device)
+    vec = e[:, :main].reshape(b, main // (ILP * THREADS), THREADS, ILP)
+    for k in range(vec.shape[1]):
+        for j in range(ILP):
+            acc = acc + vec[:, k, :, j]
+    for start in range(main, v, THREADS):
+        n = min(THREADS, v - start)
+        acc[:, :n] = acc[:, :n] + e[:, start:start + n]
+    total = _fold(_fold(acc.view(b, 32, 32)))
+    return LogSoftmaxRows(logits, mx, _backend.kernel_math("log", total))
+
+
+def log_softmax_stats(logits: torch.Tensor) -> LogSoftmaxRows:
+    """The Triton kernel (``_triton_log_softmax``): one program per row, two reads of it."""
+    from ._triton_log_softmax import _stats_kernel
+
+    b, v = logits.shape
+    mx = torch.empty(b, device=logits.device, dtype=torch.float32)
+    logsum = torch.empty_like(mx)
+    if b:
+        main = v - v % (ILP * THREADS)
+        _stats_kernel[(b,)](logits, logits.stride(0), mx, logsum, v, main // (ILP * THREADS), main,
+                            TAIL=-(-(v - main) // THREADS), T=THREADS, num_warps=8)
+    return LogSoftmaxRows(logits, mx, logsum)
+
+
+def covered(logits: torch.Tensor) -> bool:
+    """Rows torch sums in the order above: fp32, contiguous rows of V >= SMEM_MIN, V % 4 == 0, aligned."""
+    return (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1
+            and logits.shape[1] >= SMEM_MIN and logits.shape[1] % ILP == 0 and logits.stride(0) % ILP == 0
+            and logits.data_ptr() % 16 == 0)
+
+
+def _probe_ok(v: int, device) -> bool:
+    def probe():
+        g = torch.Generator(device="cpu").manual_seed(v)
+        x = (torch.randn(64, v, generator=g) * torch.exp2(torch.randint(-2, 5, (64, 1), generator=g).float()))
+        x = x.to(device)
+        return torch.equal(log_softmax_stats(x).full(), torch.log_softmax(x, dim=-1))
+    return _probe.proven(("log_softmax_rows", v), device, probe)
+
+
+def log_softmax_rows(logits: torch.Tensor, backend: str | None = None):
+    """See the module docstring: the statistics on CUDA where covered and probed, else the full log-softmax."""
+    if (logits.device.type == "cuda" and _backend.resolve(backend, logits.device) == "triton"
+            and covered(logits) and _probe_ok(logits.shape[1], logits.device)):
+        return log_softmax_stats(logits)
+    return torch.log_softmax(logits, dim=-1)

@@ -1,0 +1,68 @@
+"""log_softmax_rows: the statistics kernel (the interpreter here, CUDA on a GPU) is bitwise its PyTorch
+emulation of torch's cunn_SoftMaxForward order; a token's log-prob from them is torch's epilogue; on the GPU
+whole rows equal torch.log_softmax bitwise, and the decode step's record kernel takes either form."""
+import pytest
+import torch
+from minite.kernels import log_softmax as L
+from minite.kernels import sampling as S
+
+
+def _logits(b, v, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, v, generator=g) * torch.exp2(torch.randint(-2, 5, (b, 1), generator=g).float())
+    return x.to(device)
+
+
+@pytest.mark.parametrize("v", [L.SMEM_MIN, L.SMEM_MIN + 400, 4 * 4096 + 8])  # whole chunks, a tail, both
+def test_kernel_is_its_emulation(v):
+    x = _logits(3, v, v)
+    a, b = L.log_softmax_stats_emulated(x), L.log_softmax_stats(x)
+    assert torch.equal(a.mx, b.mx) and torch.equal(a.logsum, b.logsum)
+    assert torch.allclose(a.full(), torch.log_softmax(x, -1), rtol=0, atol=1e-5)
+    tok = torch.tensor([0, v - 1, 7])
+    assert torch.equal(a.at(tok), a.full().gather(-1, tok[:, None]).squeeze(-1))
+
+
+def test_one_logit_rows_and_what_is_covered():
+    """A row whose mass is one logit: max 0, a sum of exactly 1, logsum 0. Rows outside torch's regular
+    kernel (short, or not a whole number of float4s) are not covered; the CPU takes torch's log-softmax."""
+    v = L.SMEM_MIN
+    x = torch.full((1, v), -1e4)
+    x[0, 0] = 0.0
+    got = L.log_softmax_stats_emulated(x)
+    assert got.mx.item() == 0.0 and got.logsum.item() == 0.0  # exp(-1e4 - 0) = 0: a sum of exactly 1
+    assert not L.covered(torch.zeros(2, 1000)) and not L.covered(torch.zeros(2, L.SMEM_MIN + 2))
+    assert isinstance(L.log_softmax_rows(x), torch.Tensor)  # CPU: torch's full log-softmax
+
+
+def test_record_kernel_takes_the_statistics():
+    b, v = 4, L.SMEM_MIN
+    x = _logits(b, v, 1)
+    stats = L.log_softmax_stats_emulated(x)
+    tok = torch.tensor([3, 9, 0, v - 1])
+    slots, nxt = torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 3, 4])
+    outs = []
+    for backend in ("triton", "torch"):
+        tokens = torch.zeros(5, 8, dtype=torch.int64)
+        logprobs = torch.zeros(5, 8)
+        stopped = torch.zeros(5, dtype=torch.bool)
+        S.record_tokens(tok, stats, slots, nxt, torch.full((5,), 8), tokens, logprobs, stopped,
+                        torch.tensor(2), 7, True, backend=backend)
+        outs.append((tokens, logprobs, stopped))
+    for a, c in zip(*outs, strict=True):
+        assert torch.equal(a, c)
+    assert torch.equal(outs[0][1][slots, nxt], stats.at(tok))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_statistics_are_torchs_log_softmax():
+    from minite.kernels import _probe
+
+    for v in (151936, L.SMEM_MIN + 400):
+        for rows, seed in ((64, 0), (1, 1), (200, 2)):
+            x = _logits(rows, v, seed, "cuda")
+            got = L.log_softmax_rows(x)
+            assert isinstance(got, L.LogSoftmaxRows), _probe.verdicts("('log_softmax_rows'")
+            assert torch.equal(got.full(), torch.log_softmax(x, -1))
+            assert torch.equal(L.log_softmax_stats_emulated(x).logsum, got.logsum)
