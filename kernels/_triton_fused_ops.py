@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ._backend import interpreter_on
 from ._triton_round import round_to
-from ._triton_torch_order import vec4_row_sum
+from ._triton_torch_order import add_to_accumulator, vec4_row_sum
 
 if interpreter_on():
     @triton.jit
@@ -87,14 +87,7 @@ def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RE
                 h = s.to(tl.float32)
             else:
                 h = xv.to(tl.float32)
-            if i == 0:
-                a0 = a0 + h * h
-            elif i == 1:
-                a1 = a1 + h * h
-            elif i == 2:
-                a2 = a2 + h * h
-            else:
-                a3 = a3 + h * h
+            a0, a1, a2, a3 = add_to_accumulator(a0, a1, a2, a3, h * h, i)
     tl.store(var + r, vec4_row_sum(a0, a1, a2, a3) * inv_n)
 
 
@@ -296,12 +289,5 @@ def _gather_combine_kernel(y, y_stride, inv, weights, out, N, K: tl.constexpr, H
         pv = yv.to(tl.float32) * wv
         if HF:
             pv = round_to(pv, yv.dtype).to(tl.float32)
-        if j % 4 == 0:
-            a0 = a0 + pv
-        elif j % 4 == 1:
-            a1 = a1 + pv
-        elif j % 4 == 2:
-            a2 = a2 + pv
-        else:
-            a3 = a3 + pv
+        a0, a1, a2, a3 = add_to_accumulator(a0, a1, a2, a3, pv, j)
     tl.store(out + t * N + cols, round_to(((a0 + a1) + a2) + a3, out.dtype.element_ty), mask=m)

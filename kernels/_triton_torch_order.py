@@ -25,6 +25,21 @@ def element(v, idx, i):
 
 
 @triton.jit
+def add_to_accumulator(a0, a1, a2, a3, v, TERM: tl.constexpr):
+    """(a0, a1, a2, a3) with v added to accumulator TERM % 4: torch's four-accumulator reductions (the vectorized
+    row reduce, ``thread_reduce``) give term TERM to accumulator TERM % 4 (TERM: a compile-time index)."""
+    if TERM % 4 == 0:
+        a0 = a0 + v
+    elif TERM % 4 == 1:
+        a1 = a1 + v
+    elif TERM % 4 == 2:
+        a2 = a2 + v
+    else:
+        a3 = a3 + v
+    return a0, a1, a2, a3
+
+
+@triton.jit
 def vec4_row_sum(a0, a1, a2, a3):
     """torch's sum of a row from its 32 lanes' four accumulators a0..a3 [32] (``input_vectorized_thread_reduce``:
     accumulator i of lane l holds elements 4 (l + 32 j) + i, added in j order from 0.0): the four combined in
