@@ -14,65 +14,58 @@ def _block_z(logits, stride, temp, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_max(block_max, r, NB, NB_P2: tl.constexpr):
-    j = tl.arange(0, NB_P2)
-    return tl.max(tl.load(block_max + r * NB + j, mask=j < NB, other=float("-inf")), axis=0)
-
-
-@triton.jit
-def _block_max_kernel(logits, stride, temp, block_max, V, NB, BLOCK: tl.constexpr):
-    """Pass 1, one program per (row, block): the block's max of z."""
-    z, _ = _block_z(logits, stride, temp, V, BLOCK)
-    tl.store(block_max + tl.program_id(0) * NB + tl.program_id(1), tl.max(z, axis=0))
-
-
-@triton.jit
-def _exps(z, offs, V, mx):
-    return tl.where(offs < V, tl.exp(z - mx), 0.0)
-
-
-@triton.jit
-def _block_sum_kernel(logits, stride, temp, block_max, block_sum, V, NB, BLOCK: tl.constexpr,
-                      NB_P2: tl.constexpr):
-    """Pass 2, one program per (row, block): the block's sum of exp(z - the row's max)."""
-    r = tl.program_id(0)
+def _block_stats_kernel(logits, stride, temp, block_max, block_sum, V, NB, BLOCK: tl.constexpr):
+    """Pass 1, one program per (row, block): the block's max m of z and its sum of exp(z - m) (0 for a block
+    without mass, whose m is -inf)."""
     z, offs = _block_z(logits, stride, temp, V, BLOCK)
-    mx = _row_max(block_max, r, NB, NB_P2)
-    tl.store(block_sum + r * NB + tl.program_id(1), tl.sum(_exps(z, offs, V, mx), axis=0))
+    m = tl.max(z, axis=0)
+    s = tl.sum(tl.where(offs < V, tl.exp(z - m), 0.0), axis=0)
+    idx = tl.program_id(0) * NB + tl.program_id(1)
+    tl.store(block_max + idx, m)
+    tl.store(block_sum + idx, tl.where(m == float("-inf"), 0.0, s))
+
+
+@triton.jit
+def _rescaled_sum(block_max, block_sum, idx, mx):
+    """A block's sum of exp(z - m), rescaled to the row's max: s exp(m - mx) (0 without mass)."""
+    return tl.load(block_sum + idx) * tl.exp(tl.load(block_max + idx) - mx)
 
 
 @triton.jit
 def _pick_kernel(logits, stride, temp, block_max, block_sum, uniform, out, V, NB, BLOCK: tl.constexpr,
                  NB_P2: tl.constexpr):
-    """Pass 3, one program per row: the total (block sums added in block order), the first block where the
-    running sum exceeds draw x total (none can, when that product rounds up to the total: then the last block
-    with mass, and its last token with mass), and inside it the token, by a cumulative sum of its exps."""
+    """Pass 2, one program per row: the row's max M (of the block maxima), each block's sum rescaled to M
+    (s exp(m - M)), the total (those added in block order), the first block where the running sum exceeds
+    draw x total (none can, when that product rounds up to the total: then the last block with mass, and its
+    last token with mass), and inside it the token, by a cumulative sum of its exp(z - M)."""
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     t = tl.load(temp)
-    mx = _row_max(block_max, r, NB, NB_P2)
+    j = tl.arange(0, NB_P2)
+    mx = tl.max(tl.load(block_max + r * NB + j, mask=j < NB, other=float("-inf")), axis=0)
     total = tl.sum(tl.zeros([NB_P2], tl.float32), axis=0)
-    for j in range(0, NB):
-        total += tl.load(block_sum + r * NB + j)
+    for jj in range(0, NB):
+        total += _rescaled_sum(block_max, block_sum, r * NB + jj, mx)
     target = tl.load(uniform + r) * total
     run = total * 0.0
     before = total * 0.0
     last_before = total * 0.0
     blk = tl.sum(tl.zeros([NB_P2], tl.int32), axis=0) - 1
     last_blk = blk
-    for j in range(0, NB):
-        s = tl.load(block_sum + r * NB + j)
+    for jj in range(0, NB):
+        s = _rescaled_sum(block_max, block_sum, r * NB + jj, mx)
         hit = (blk < 0) & (run + s > target)
-        blk = tl.where(hit, j, blk)
+        blk = tl.where(hit, jj, blk)
         before = tl.where(hit, run, before)
-        last_blk = tl.where(s > 0, j, last_blk)
+        last_blk = tl.where(s > 0, jj, last_blk)
         last_before = tl.where(s > 0, run, last_before)
         run += s
     found = blk >= 0
     start = tl.where(found, blk, last_blk) * BLOCK
     lane = tl.arange(0, BLOCK)
     offs = start + lane
-    e = _exps(tl.load(row + offs, mask=offs < V, other=float("-inf")) / t, offs, V, mx)
+    z = tl.load(row + offs, mask=offs < V, other=float("-inf")) / t
+    e = tl.where(offs < V, tl.exp(z - mx), 0.0)
     c = tl.where(found, before, last_before) + tl.cumsum(e, axis=0)
     first = tl.min(tl.where((c > target) & (e > 0), lane, BLOCK), axis=0)
     last_nz = tl.max(tl.where(e > 0, lane, -1), axis=0)
@@ -101,3 +94,20 @@ def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, lo
     if ADVANCE:
         tl.store(ids + i, t)
         tl.store(pos + i, n)
+
+
+@triton.jit
+def _step_inputs_kernel(pos, slots, tokens, uniform, tab_stride, slot_ids, seq_lens, nxt, forced, draw, B, max_pos,
+                        BLOCK: tl.constexpr):
+    """Rows of block program_id(0) of ``sampling.step_inputs``: integer moves, a min and two table reads."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < B
+    p = tl.load(pos + i, mask=m, other=0)
+    s = tl.load(slots + i, mask=m, other=0)
+    n = tl.minimum(p + 1, max_pos)
+    cell = s * tab_stride + n
+    tl.store(slot_ids + i, s.to(tl.int32), mask=m)
+    tl.store(seq_lens + i, (p + 1).to(tl.int32), mask=m)
+    tl.store(nxt + i, n, mask=m)
+    tl.store(forced + i, tl.load(tokens + cell, mask=m, other=0), mask=m)
+    tl.store(draw + i, tl.load(uniform + cell, mask=m, other=0.0), mask=m)

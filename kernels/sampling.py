@@ -9,15 +9,15 @@
         that crosses it included; ties: lowest id).
 
 Paths. ``sample_tokens_reference`` (PyTorch: softmax, cumsum over V, searchsorted) serves CPU tensors and
-every top_p < 1 call (it sorts). Plain sampling on CUDA runs three passes, each over the whole grid: one
-program per (row, block of BLOCK logits) for the blocks' max of z = logits / t, then one per (row, block) for
-the blocks' sums of exp(z - the row's max), then one per row that adds the block sums in block order, finds
-the block where the running sum crosses draw x total, and looks inside that block (a cumulative sum of its
-exps). No softmax tensor and no [B, V] cumulative sum (on a 151,936-id vocabulary the reference's scan alone
-costs ~0.25 ms per decode step at batch 64), and every SM busy: one program per row would leave most of the
-GPU idle at decode batch sizes. The kernels sum in their own fixed order (blocks in order, a tree inside
-each), so their cumulative values can differ from the reference's in the last bits: where a draw lands
-within that rounding of a boundary the two may pick neighbouring tokens.
+every top_p < 1 call (it sorts). Plain sampling on CUDA runs two passes: one program per (row, block of
+BLOCK logits) for the block's max m of z = logits / t and its sum of exp(z - m) (one read of the logits), then
+one per row that takes the row's max M of the blocks' maxima, rescales each block's sum to it (s exp(m - M)),
+adds them in block order, finds the block where the running sum crosses draw x total, and looks inside that
+block (a cumulative sum of its exp(z - M)). No softmax tensor and no [B, V] cumulative sum (on a 151,936-id
+vocabulary the reference's scan alone costs ~0.25 ms per decode step at batch 64), and every SM busy: one
+program per row would leave most of the GPU idle at decode batch sizes. The kernels sum in their own fixed
+order (blocks in order, a tree inside each), so their cumulative values can differ from the reference's in
+the last bits: where a draw lands within that rounding of a boundary the two may pick neighbouring tokens.
 Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
 kernel token against a float64 CDF.
 
@@ -30,8 +30,17 @@ kernel token against a float64 CDF.
         (ids, pos): ids[i] = tok[i], pos[i] = nxt[i]. Copies, integer tests and torch's own log-softmax
         epilogue only, so both paths write the same values. Rows sharing a slot (padding rows on the dummy
         slot) write it in an unspecified order, as index_put does.
+
+    step_inputs(pos, slots, tokens, uniform, max_pos, backend=None) -> StepInputs
+        A decode step's per-row inputs from the rows' positions and cache slots [B] int64, in one launch on CUDA
+        (five small PyTorch ops in ``step_inputs_reference``): ``slot_ids`` = slots and ``seq_lens`` = pos + 1
+        as int32 (the decode attention's), ``nxt`` = min(pos + 1, max_pos) (where the step's token goes), and
+        the tables' cells there: ``forced`` = tokens[slots, nxt] (the teacher-forced token when scoring) and
+        ``draw`` = uniform[slots, nxt] (the uniform draw that picks a sampled token). Copies only.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -66,7 +75,7 @@ def sample_tokens(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_
 
 
 def _triton_sample(logits, temperature, uniform):
-    from ._triton_sampling import _block_max_kernel, _block_sum_kernel, _pick_kernel
+    from ._triton_sampling import _block_stats_kernel, _pick_kernel
 
     b, v = logits.shape
     x = logits.float()
@@ -81,9 +90,7 @@ def _triton_sample(logits, temperature, uniform):
         nb_p2 = max(2, 1 << (nb - 1).bit_length())
         block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
         block_sum = torch.empty_like(block_max)
-        _block_max_kernel[(b, nb)](x, x.stride(0), t, block_max, v, nb, BLOCK=BLOCK, num_warps=8)
-        _block_sum_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, v, nb, BLOCK=BLOCK, NB_P2=nb_p2,
-                                   num_warps=8)
+        _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, v, nb, BLOCK=BLOCK, num_warps=8)
         _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, u, out, v, nb, BLOCK=BLOCK, NB_P2=nb_p2,
                            num_warps=8)
     return out
@@ -123,3 +130,37 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
         _record_kernel[(b,)](tok, lp, lp.stride(0), logp.mx if stats else lp, logp.logsum if stats else lp, slots,
                              nxt, end, tokens, logprobs, tokens.stride(0), stopped, stop, ids, pos, trash,
                              WRITE_TOKENS=bool(write_tokens), ADVANCE=advance is not None, STATS=stats, num_warps=1)
+
+
+class StepInputs(NamedTuple):
+    slot_ids: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32
+    nxt: torch.Tensor       # [B] int64
+    forced: torch.Tensor    # [B] int64
+    draw: torch.Tensor      # [B] fp32
+
+
+def step_inputs_reference(pos, slots, tokens, uniform, max_pos: int) -> StepInputs:
+    nxt = (pos + 1).clamp_max(max_pos)
+    return StepInputs(slots.to(torch.int32), (pos + 1).to(torch.int32), nxt, tokens[slots, nxt], uniform[slots, nxt])
+
+
+def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None = None) -> StepInputs:
+    """See the module docstring."""
+    b = pos.shape[0]
+    ok = (_backend.resolve(backend, pos.device) == "triton" and pos.dtype == slots.dtype == tokens.dtype == torch.int64
+          and uniform.dtype == torch.float32 and slots.shape == (b,) and pos.is_contiguous() and slots.is_contiguous()
+          and tokens.is_contiguous() and uniform.is_contiguous() and tokens.shape == uniform.shape)
+    if not ok:
+        return step_inputs_reference(pos, slots, tokens, uniform, max_pos)
+    from ._triton_sampling import _step_inputs_kernel
+
+    dev = pos.device
+    out = StepInputs(torch.empty(b, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev),
+                     torch.empty(b, dtype=torch.int64, device=dev), torch.empty(b, dtype=torch.int64, device=dev),
+                     torch.empty(b, dtype=torch.float32, device=dev))
+    if b:
+        block = 256
+        _step_inputs_kernel[(-(-b // block),)](pos, slots, tokens, uniform, tokens.stride(0), *out, b, int(max_pos),
+                                               BLOCK=block, num_warps=4)
+    return out

@@ -54,6 +54,23 @@ def test_kernel_edges_first_and_last_tokens_and_zero_mass():
     assert abs(tok.tolist()[2] - v // 2) <= 1
 
 
+def test_kernel_blocks_without_mass_and_far_apart_maxima():
+    """Blocks of -inf logits (a masked vocabulary) have no mass, and block sums taken at their own maxima are
+    rescaled to the row's: a block whose max is 60 below the row's keeps its tiny share, nothing is NaN."""
+    v = 3 * S.BLOCK
+    logits = torch.full((3, v), float("-inf"))
+    logits[0, S.BLOCK + 5] = 0.0                        # one token, in the middle block
+    logits[1, :S.BLOCK] = -60.0                         # block 0 far below block 2
+    logits[1, 2 * S.BLOCK:] = torch.linspace(-1, 1, S.BLOCK)
+    logits[2, 2 * S.BLOCK + 7] = 3.0                    # mass only in the last block, all else -inf
+    logits[2, 2 * S.BLOCK + 9] = 3.0
+    u = torch.tensor([0.3, 0.5, 0.75])
+    tok = S.sample_tokens(logits, 1.0, u, backend="triton")
+    assert tok.tolist()[0] == S.BLOCK + 5 and tok.tolist()[2] == 2 * S.BLOCK + 9
+    _check_valid(logits, 1.0, u, tok)
+    assert 2 * S.BLOCK <= tok.tolist()[1] < 3 * S.BLOCK
+
+
 def test_kernel_rows_do_not_depend_on_the_batch():
     logits, u = _case(6, 3000, seed=3)
     full = S.sample_tokens(logits, 1.0, u, backend="triton")
@@ -126,3 +143,24 @@ def test_record_tokens_kernel_equals_the_reference(device, write_tokens, advance
     assert stopped[step["slots"][:2]].all() and (tokens != st0["tokens"]).any() == write_tokens
     assert torch.equal(ids[:6], step["tok"] if advance else ids0[:6]) and (ids[6:] == -1).all()
     assert torch.equal(pos[:6], step["nxt"] if advance else pos0[:6])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("b", [1, 6, 300])
+def test_step_inputs_kernel_equals_the_reference(device, b):
+    """The step's int32 slot ids and lengths, its next position (clamped at the last column) and the tables'
+    cells there: the kernel writes what the PyTorch ops compute, across blocks of rows, dtypes included."""
+    g = torch.Generator().manual_seed(b)
+    slots_n, width = 301, 40
+    tokens = torch.randint(0, 1000, (slots_n, width + 1), generator=g).to(device)
+    uniform = torch.rand(slots_n, width + 1, generator=g).to(device)
+    slots = torch.randint(0, slots_n, (b,), generator=g).to(device)
+    pos = torch.randint(0, width, (b,), generator=g)
+    pos[0] = width - 1  # nxt clamps to width - 1
+    pos = pos.to(device)
+    ref = S.step_inputs_reference(pos, slots, tokens, uniform, width - 1)
+    out = S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="triton")
+    for r, o in zip(ref, out, strict=True):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+    assert int(out.nxt[0]) == width - 1 and int(out.seq_lens[0]) == width
+    assert S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="torch").draw.dtype == torch.float32

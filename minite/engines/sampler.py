@@ -249,18 +249,20 @@ class Sampler:
         h, pend = self._layers(ids, self._prefill_positions(ids), slots, capture=capture)
         return self._logits(h, pend, torch.arange(ids.shape[0], device=self.device) * ids.shape[1] + lens - 1)
 
-    def _emit(self, logits, slots, nxt, mode, advance=False):
+    def _emit(self, logits, slots, nxt, mode, advance=False, cells=None):
         """The token at position ``nxt`` of each row (drawn, or teacher-forced in mode "score") and its
         temperature-1 log-prob, recorded in the decode state's tables (``advance``: and fed as the rows' next
-        input: ids = token, pos = nxt)."""
+        input: ids = token, pos = nxt). ``cells``: the tables' (token, draw) at (slots, nxt), if read already."""
         st = self._state
         lf = logits.float()
+        forced, draw = cells if cells is not None else (None, None)
         if mode == "score":
-            tok = st.tokens[slots, nxt]
+            tok = st.tokens[slots, nxt] if forced is None else forced
         elif mode == "greedy":
             tok = lf.argmax(dim=-1)
         else:
-            tok = ops.sample_tokens(lf, st.temperature, st.top_p if mode == "top_p" else None, st.uniform[slots, nxt])
+            tok = ops.sample_tokens(lf, st.temperature, st.top_p if mode == "top_p" else None,
+                                    st.uniform[slots, nxt] if draw is None else draw)
         # the trainer's log-softmax bits, as torch's [B, V] result or (where reproduced) its rows' statistics
         st.emit(tok, kernels.log_softmax_rows(lf), slots, nxt, write_tokens=mode != "score", advance=advance)
         return tok
@@ -271,13 +273,13 @@ class Sampler:
         st = self._state
         ids, pos, slots = st.ids[:b], st.pos[:b], st.slots[:b]
         at = pos[:, None]
-        decode = (slots.to(torch.int32), (pos + 1).to(torch.int32))
-        h, pend = self._layers(ids[:, None], at, slots, decode, capture)
+        inp = kernels.step_inputs(pos, slots, st.tokens, st.uniform, self.max_seq_len - 1)  # one launch
+        h, pend = self._layers(ids[:, None], at, slots, (inp.slot_ids, inp.seq_lens), capture)
         logits = self._logits(h, pend, out_dtype=torch.float32)  # _emit's fp32 input without a cast pass
         if capture is not None:
             capture(-1, "logits", at, logits.to(h.dtype)[:, None])
-        nxt = (pos + 1).clamp_max(self.max_seq_len - 1)
-        self._emit(logits, slots, nxt, mode, advance=True)  # ids[:b] = the token, pos[:b] = nxt
+        # ids[:b] = the token, pos[:b] = nxt
+        self._emit(logits, slots, inp.nxt, mode, advance=True, cells=(inp.forced, inp.draw))
 
     def _mark(self, label: str) -> None:
         if self.on_step is not None:
