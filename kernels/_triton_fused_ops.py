@@ -43,19 +43,25 @@ else:
 
 
 @triton.jit
+def _residual_sum(xv, rv, HF: tl.constexpr):
+    """residual + x: rounded to x's dtype for "hf", fp32 for "vllm"."""
+    s = rv.to(tl.float32) + xv.to(tl.float32)
+    if HF:
+        s = round_to(s, xv.dtype)
+    return s
+
+
+@triton.jit
 def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.constexpr, HF: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """Row r: the value the norm normalises (x, or residual + x: rounded to x's dtype for "hf", fp32 for
-    "vllm", stored in ``summed``) and its square in fp32 (``sq``), for torch's mean to reduce."""
+    """Row r: the value the norm normalises (x, or ``_residual_sum``, stored in ``summed``) and its square in
+    fp32 (``sq``), for torch's mean to reduce."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     xv = tl.load(x + r * x_stride + cols, mask=m, other=0.0)
     if HAS_RES:
-        rv = tl.load(res + r * res_stride + cols, mask=m, other=0.0)
-        s = rv.to(tl.float32) + xv.to(tl.float32)
-        if HF:
-            s = round_to(s, xv.dtype)
+        s = _residual_sum(xv, tl.load(res + r * res_stride + cols, mask=m, other=0.0), HF)
         tl.store(summed + r * N + cols, s, mask=m)
         h = s.to(tl.float32)
     else:
@@ -65,11 +71,20 @@ def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.cons
 
 @triton.jit
 def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
-                        HF: tl.constexpr, J: tl.constexpr):
+                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
     """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares: the order
     of torch's mean over rows of N (``fused_ops.row_mean_emulated``), then times fp32(1 / N) as its MeanOps.
-    One warp; lane l's accumulator i reads elements 128 j + 4 l + i."""
+    One warp; lane l's accumulator i reads elements 128 j + 4 l + i. The residual sum is stored first, as
+    whole-row vectors: a store between the loads of the accumulation would hold each later load behind it
+    (the compiler cannot tell the buffers apart), one memory latency per element the lane reads. BLOCK: the
+    power of two >= 128 J."""
     r = tl.program_id(0).to(tl.int64)
+    if HAS_RES:
+        cols = tl.arange(0, BLOCK)
+        m = cols < 128 * J
+        s = _residual_sum(tl.load(x + r * x_stride + cols, mask=m, other=0.0),
+                          tl.load(res + r * res_stride + cols, mask=m, other=0.0), HF)
+        tl.store(summed + r * (128 * J) + cols, s, mask=m)
     lane4 = tl.arange(0, 32) * 4
     a0 = tl.zeros([32], dtype=tl.float32)
     a1 = a0
@@ -80,11 +95,7 @@ def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RE
             c = j * 128 + lane4 + i
             xv = tl.load(x + r * x_stride + c)
             if HAS_RES:
-                s = tl.load(res + r * res_stride + c).to(tl.float32) + xv.to(tl.float32)
-                if HF:
-                    s = round_to(s, xv.dtype)
-                tl.store(summed + r * (128 * J) + c, s)
-                h = s.to(tl.float32)
+                h = _residual_sum(xv, tl.load(res + r * res_stride + c), HF).to(tl.float32)
             else:
                 h = xv.to(tl.float32)
             a0, a1, a2, a3 = add_to_accumulator(a0, a1, a2, a3, h * h, i)

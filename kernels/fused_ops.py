@@ -108,7 +108,8 @@ def square_mean(x2, res2, summed, mode) -> torch.Tensor:
     if rows:
         _launch(_square_mean_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
                 0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, _inv(n),
-                HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128, num_warps=1)
+                HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128,
+                BLOCK=_block(n), num_warps=1)
     return var
 
 
