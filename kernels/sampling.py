@@ -33,7 +33,7 @@ kernel token against a float64 CDF.
 
     step_inputs(pos, slots, tokens, uniform, max_pos, backend=None) -> StepInputs
         A decode step's per-row inputs from the rows' positions and cache slots [B] int64, in one launch on CUDA
-        (five small PyTorch ops in ``step_inputs_reference``): ``slot_ids`` = slots and ``seq_lens`` = pos + 1
+        (``step_inputs_reference``: the same as small PyTorch ops): ``slot_ids`` = slots and ``seq_lens`` = pos + 1
         as int32 (the decode attention's), ``nxt`` = min(pos + 1, max_pos) (where the step's token goes), and
         the tables' cells there: ``forced`` = tokens[slots, nxt] (the teacher-forced token when scoring) and
         ``draw`` = uniform[slots, nxt] (the uniform draw that picks a sampled token). Copies only.
