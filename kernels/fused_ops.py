@@ -321,7 +321,8 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
         has_cache = True
     _launch(_qk_tail_kernel, grid, q2, q2.stride(0), q_var, k_var, q_weight, k_weight, cs, sn,
             cs.stride(0), cs.stride(1), q_out, k_out, kc, vc, slots, pos, pos.stride(0), pos.stride(1),
-            *kcs, t, n_q, n_kv, eps, _inv(d), D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache, MEAN=in_pass)
+            *kcs, t, n_q, n_kv, eps, _inv(d), D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache, MEAN=in_pass,
+            num_warps=1 if in_pass else 4)  # the mean's lane trees in one warp, as the square passes take them
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
