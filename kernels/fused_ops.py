@@ -286,23 +286,24 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
 
     dev, rows = qkv.device, b * t
-    in_pass = mean_in_pass(d, dev)
-    # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows, where
-    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call);
-    # or the means themselves, from the square pass
-    sq = (torch.empty(rows * (n_q + n_kv), 1, device=dev, dtype=torch.float32) if in_pass
-          else _squares_buffer(rows * (n_q + n_kv), d, dev))
-    q_sq, k_sq = sq[:rows * n_q], sq[rows * n_q:]
     q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
     k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
     if rows == 0:
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
     grid = (rows, n_q + n_kv)
-    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, _inv(d), D=d, MEAN=in_pass,
-            num_warps=1 if in_pass else 4)
-    var = sq if in_pass else sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
-    q_var, k_var = var[:rows * n_q], var[rows * n_q:]
+    in_pass = mean_in_pass(d, dev)  # the tail takes each head's mean itself
+    if in_pass:
+        q_var = k_var = q_out  # not read
+    else:
+        # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows,
+        # where torch's order for a row depends on the row length alone, so each row's bits are those of its
+        # own call)
+        sq = _squares_buffer(rows * (n_q + n_kv), d, dev)
+        _launch(_qk_square_kernel, grid, q2, q2.stride(0), sq[:rows * n_q], sq[rows * n_q:], n_q, n_kv, D=d,
+                num_warps=4)
+        var = sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
+        q_var, k_var = var[:rows * n_q], var[rows * n_q:]
     cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
     if cs.stride(-1) != 1 or sn.stride() != cs.stride():
         cs, sn = cs.contiguous(), sn.contiguous()
@@ -320,7 +321,8 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
         has_cache = True
     _launch(_qk_tail_kernel, grid, q2, q2.stride(0), q_var, k_var, q_weight, k_weight, cs, sn,
             cs.stride(0), cs.stride(1), q_out, k_out, kc, vc, slots, pos, pos.stride(0), pos.stride(1),
-            *kcs, t, n_q, n_kv, eps, D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache)
+            *kcs, t, n_q, n_kv, eps, _inv(d), D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache, MEAN=in_pass,
+            num_warps=1 if in_pass else 4)  # the mean's lane trees in one warp, as the square passes take them
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
