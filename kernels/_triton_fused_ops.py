@@ -70,21 +70,11 @@ def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.cons
 
 
 @triton.jit
-def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
-                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
-    """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares: the order
-    of torch's mean over rows of N (``fused_ops.row_mean_emulated``), then times fp32(1 / N) as its MeanOps.
-    One warp; lane l's accumulator i reads elements 128 j + 4 l + i. The residual sum is stored first, as
-    whole-row vectors: a store between the loads of the accumulation would hold each later load behind it
-    (the compiler cannot tell the buffers apart), one memory latency per element the lane reads. BLOCK: the
-    power of two >= 128 J."""
-    r = tl.program_id(0).to(tl.int64)
-    if HAS_RES:
-        cols = tl.arange(0, BLOCK)
-        m = cols < 128 * J
-        s = _residual_sum(tl.load(x + r * x_stride + cols, mask=m, other=0.0),
-                          tl.load(res + r * res_stride + cols, mask=m, other=0.0), HF)
-        tl.store(summed + r * (128 * J) + cols, s, mask=m)
+def _row_square_sum(xrow, rrow, HAS_RES: tl.constexpr, HF: tl.constexpr, J: tl.constexpr):
+    """The sum of the squares of a row of N = 128 J (x's, or ``_residual_sum``'s; ``xrow`` / ``rrow``: the rows'
+    first elements, unit stride) in the order of torch's mean over rows of N (``fused_ops.row_mean_emulated``;
+    the mean is this times fp32(1 / N), as its MeanOps). One warp's worth of lanes: lane l's accumulator i
+    reads elements 128 j + 4 l + i."""
     lane4 = tl.arange(0, 32) * 4
     a0 = tl.zeros([32], dtype=tl.float32)
     a1 = a0
@@ -93,13 +83,30 @@ def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RE
     for j in tl.static_range(J):
         for i in tl.static_range(4):
             c = j * 128 + lane4 + i
-            xv = tl.load(x + r * x_stride + c)
+            xv = tl.load(xrow + c)
             if HAS_RES:
-                h = _residual_sum(xv, tl.load(res + r * res_stride + c), HF).to(tl.float32)
+                h = _residual_sum(xv, tl.load(rrow + c), HF).to(tl.float32)
             else:
                 h = xv.to(tl.float32)
             a0, a1, a2, a3 = add_to_accumulator(a0, a1, a2, a3, h * h, i)
-    tl.store(var + r, vec4_row_sum(a0, a1, a2, a3) * inv_n)
+    return vec4_row_sum(a0, a1, a2, a3)
+
+
+@triton.jit
+def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
+                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
+    """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares
+    (``_row_square_sum`` times fp32(1 / N)). One warp. The residual sum is stored first, as whole-row vectors:
+    a store between the loads of the accumulation would hold each later load behind it (the compiler cannot
+    tell the buffers apart), one memory latency per element the lane reads. BLOCK: the power of two >= 128 J."""
+    r = tl.program_id(0).to(tl.int64)
+    if HAS_RES:
+        cols = tl.arange(0, BLOCK)
+        m = cols < 128 * J
+        s = _residual_sum(tl.load(x + r * x_stride + cols, mask=m, other=0.0),
+                          tl.load(res + r * res_stride + cols, mask=m, other=0.0), HF)
+        tl.store(summed + r * (128 * J) + cols, s, mask=m)
+    tl.store(var + r, _row_square_sum(x + r * x_stride, res + r * res_stride, HAS_RES, HF, J) * inv_n)
 
 
 @triton.jit

@@ -88,10 +88,10 @@ def row_mean_emulated(t: torch.Tensor) -> torch.Tensor:
     c = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
     while c.shape[1] > 1:
         c = c[:, :c.shape[1] // 2] + c[:, c.shape[1] // 2:]
-    return c * _inv(n)
+    return c * row_mean_factor(n)
 
 
-def _inv(n: int) -> float:
+def row_mean_factor(n: int) -> float:
     """fp32(1 / n), as torch's MeanOps factor (a float quotient, not the rounding of a double one)."""
     import numpy as np
 
@@ -107,7 +107,7 @@ def square_mean(x2, res2, summed, mode) -> torch.Tensor:
     var = torch.empty(rows, 1, device=x2.device, dtype=torch.float32)
     if rows:
         _launch(_square_mean_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
-                0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, _inv(n),
+                0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, row_mean_factor(n),
                 HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128,
                 BLOCK=_block(n), num_warps=1)
     return var
@@ -225,19 +225,26 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def norm_rows(x, mode, residual=None):
+    """(x2, res2, summed): x's rows [R, N] and the residual's with unit column stride, and the buffer their
+    sum goes to (None without a residual: rounded to x's dtype for "hf", fp32 for "vllm")."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
+    res2 = None if residual is None else residual.reshape(-1, n)
+    if res2 is not None and res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    dtype = x.dtype if mode == "hf" else torch.float32
+    summed = None if res2 is None else torch.empty(x2.shape[0], n, device=x.device, dtype=dtype)
+    return x2, res2, summed
+
+
 def norm_prologue(x, mode, residual=None):
     """An RMSNorm's passes up to its last (the Triton path of ``rms_norm``): (src [R, N], var [R, 1], summed):
     the rows it normalises (x's, or the residual sum written by the square pass: rounded to x's dtype for
     "hf", fp32 for "vllm"), their mean squares (torch's mean, ``row_mean``'s bits), and that sum (None
     without a residual; for "hf" it is the new residual)."""
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
-    rows = x2.shape[0]
-    res2 = None if residual is None else residual.reshape(-1, n)
-    if res2 is not None and res2.stride(-1) != 1:
-        res2 = res2.contiguous()
-    hf = mode == "hf"
-    summed = None if res2 is None else torch.empty(rows, n, device=x.device, dtype=x.dtype if hf else torch.float32)
+    x2, res2, summed = norm_rows(x, mode, residual)
+    n, rows, hf = x2.shape[1], x2.shape[0], mode == "hf"
     if mean_in_pass(n, x.device):
         return (x2 if summed is None else summed), square_mean(x2, res2, summed, mode), summed
     sq = _squares_buffer(rows, n, x.device)
@@ -321,7 +328,8 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
         has_cache = True
     _launch(_qk_tail_kernel, grid, q2, q2.stride(0), q_var, k_var, q_weight, k_weight, cs, sn,
             cs.stride(0), cs.stride(1), q_out, k_out, kc, vc, slots, pos, pos.stride(0), pos.stride(1),
-            *kcs, t, n_q, n_kv, eps, _inv(d), D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache, MEAN=in_pass,
+            *kcs, t, n_q, n_kv, eps, row_mean_factor(d), D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache,
+            MEAN=in_pass,
             num_warps=1 if in_pass else 4)  # the mean's lane trees in one warp, as the square passes take them
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
