@@ -86,9 +86,7 @@ def row_mean_emulated(t: torch.Tensor) -> torch.Tensor:
     for j in range(n // 128):
         acc = acc + chunks[:, j]
     c = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
-    while c.shape[1] > 1:
-        c = c[:, :c.shape[1] // 2] + c[:, c.shape[1] // 2:]
-    return c * row_mean_factor(n)
+    return _backend.shuffle_tree(c)[:, None] * row_mean_factor(n)
 
 
 def row_mean_factor(n: int) -> float:

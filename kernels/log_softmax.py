@@ -47,14 +47,6 @@ class LogSoftmaxRows(NamedTuple):
         return (self.logits - self.mx[:, None]) - self.logsum[:, None]
 
 
-def _fold(v: torch.Tensor) -> torch.Tensor:
-    """Lane 0 of a shuffle tree with decreasing offsets over the last dim (halves)."""
-    while v.shape[-1] > 1:
-        h = v.shape[-1] // 2
-        v = v[..., :h] + v[..., h:]
-    return v[..., 0]
-
-
 def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
     """The statistics in torch's order (module docstring), in PyTorch: the kernel's reference."""
     b, v = logits.shape
@@ -70,7 +62,7 @@ def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
     for start in range(main, v, THREADS):
         n = min(THREADS, v - start)
         acc[:, :n] = acc[:, :n] + e[:, start:start + n]
-    total = _fold(_fold(acc.view(b, 32, 32)))
+    total = _backend.shuffle_tree(_backend.shuffle_tree(acc.view(b, 32, 32)))
     return LogSoftmaxRows(logits, mx, _backend.kernel_math("log", total))
 
 
