@@ -78,3 +78,16 @@ def kernel_math(name: str, x: torch.Tensor) -> torch.Tensor:
     import numpy as np
 
     return torch.from_numpy(getattr(np, name)(x.numpy()))
+
+
+def shuffle_tree(v: torch.Tensor, tree: str = "halves") -> torch.Tensor:
+    """Lane 0's value after a warp shuffle tree over the last dim of v (a power of two of lanes): "halves"
+    adds lane l + W/2 to lane l, then + W/4, .. (offsets decreasing), "pairs" adds adjacent lanes first
+    (offsets increasing). The PyTorch form of the trees the Triton kernels take in torch's orders
+    (``_triton_torch_order``), for their emulations."""
+    if tree not in ("halves", "pairs"):
+        raise ValueError(f"tree must be 'halves' or 'pairs', not {tree!r}")
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:] if tree == "halves" else v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]

@@ -22,7 +22,10 @@ are that op's):
   * ``NORM`` (the input of the linear after an RMSNorm): the cast is the norm's last pass. It reads the rows
     the norm normalises (x), their mean squares ``var_ptr`` [R] (torch's mean, taken before) and the weight
     [C], forms the norm's output as ``fused_ops.rms_norm`` does, stores it (``y_ptr`` [R, C], contiguous:
-    the norm's result for its other readers) and quantizes it.
+    the norm's result for its other readers) and quantizes it. With NORM_J (rows of C = 128 NORM_J, one per
+    program) it takes the mean square itself, in torch's order (``_row_square_sum``), and with NORM_RES it
+    reads x and the residual (``res_ptr``), forms their sum and stores it (``summed_ptr``, the new residual):
+    the norm in one launch.
 
 Arithmetic rules that keep the bits equal to the PyTorch reference:
   * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels. The cast
@@ -40,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_fused_ops import _norm_half, _rsqrtf, silu_mul_values
+from ._triton_fused_ops import _norm_half, _residual_sum, _row_square_sum, _rsqrtf, silu_mul_values
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code reads globals only as constexpr
 #: bit i set where TE's RHT sign vector (minite.nvfp4.RHT_SIGNS) is -1
@@ -144,11 +147,13 @@ def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows
 
 @triton.jit(do_not_specialize=["seed"])
 def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr, up_ptr,
-                 var_ptr, w_ptr, y_ptr, R, C, CW, stride_r, stride_c, stride_ur, rows_per_group, seed, eps,
+                 var_ptr, w_ptr, y_ptr, res_ptr, summed_ptr, R, C, CW, stride_r, stride_c, stride_ur, stride_rr,
+                 rows_per_group, seed, eps, inv_n,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
-                 GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr):
+                 GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, NORM_J: tl.constexpr,
+                 NORM_RES: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
@@ -163,9 +168,20 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         x = silu_mul_values(gv, uv, SILU_MUL == 1).to(tl.float32)  # SILU_HF
     elif NORM != 0:  # NORM_NONE; as SILU_MUL: zeros outside [R, C] (a zero weight there)
         inside = (rows3 < R) & (cols3 < C)
-        sv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3.to(tl.int64) * stride_c, mask=inside, other=0.0)
         wv = tl.load(w_ptr + cols3, mask=cols3 < C, other=0.0)
-        inv = _rsqrtf(tl.load(var_ptr + rows3, mask=rows3 < R, other=1.0) + eps)
+        if NORM_J != 0:  # the mean square here (one row per program, C = 128 NORM_J, unit column stride)
+            var = _row_square_sum(x_ptr + pr.to(tl.int64) * stride_r, res_ptr + pr.to(tl.int64) * stride_rr,
+                                  NORM_RES, NORM == 1, NORM_J) * inv_n
+            sv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3, mask=inside, other=0.0)
+            if NORM_RES:  # the residual sum: the norm's input and the new residual, stored after every load
+                sv = _residual_sum(sv, tl.load(res_ptr + rows3.to(tl.int64) * stride_rr + cols3, mask=inside,
+                                               other=0.0), NORM == 1)
+                tl.store(summed_ptr + rows3.to(tl.int64) * C + cols3, sv, mask=inside)
+            inv = _rsqrtf(var + eps)
+        else:  # torch's mean, from the norm's square pass
+            sv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3.to(tl.int64) * stride_c, mask=inside,
+                         other=0.0)
+            inv = _rsqrtf(tl.load(var_ptr + rows3, mask=rows3 < R, other=1.0) + eps)
         yv = _norm_half(sv, inv, wv, NORM == 1)  # NORM_HF
         tl.store(y_ptr + rows3.to(tl.int64) * C + cols3, yv, mask=inside)
         x = yv.to(tl.float32)

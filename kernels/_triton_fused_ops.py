@@ -70,21 +70,11 @@ def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.cons
 
 
 @triton.jit
-def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
-                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
-    """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares: the order
-    of torch's mean over rows of N (``fused_ops.row_mean_emulated``), then times fp32(1 / N) as its MeanOps.
-    One warp; lane l's accumulator i reads elements 128 j + 4 l + i. The residual sum is stored first, as
-    whole-row vectors: a store between the loads of the accumulation would hold each later load behind it
-    (the compiler cannot tell the buffers apart), one memory latency per element the lane reads. BLOCK: the
-    power of two >= 128 J."""
-    r = tl.program_id(0).to(tl.int64)
-    if HAS_RES:
-        cols = tl.arange(0, BLOCK)
-        m = cols < 128 * J
-        s = _residual_sum(tl.load(x + r * x_stride + cols, mask=m, other=0.0),
-                          tl.load(res + r * res_stride + cols, mask=m, other=0.0), HF)
-        tl.store(summed + r * (128 * J) + cols, s, mask=m)
+def _row_square_sum(xrow, rrow, HAS_RES: tl.constexpr, HF: tl.constexpr, J: tl.constexpr):
+    """The sum of the squares of a row of N = 128 J (x's, or ``_residual_sum``'s; ``xrow`` / ``rrow``: the rows'
+    first elements, unit stride) in the order of torch's mean over rows of N (``fused_ops.row_mean_emulated``;
+    the mean is this times fp32(1 / N), as its MeanOps). One warp's worth of lanes: lane l's accumulator i
+    reads elements 128 j + 4 l + i."""
     lane4 = tl.arange(0, 32) * 4
     a0 = tl.zeros([32], dtype=tl.float32)
     a1 = a0
@@ -93,13 +83,30 @@ def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RE
     for j in tl.static_range(J):
         for i in tl.static_range(4):
             c = j * 128 + lane4 + i
-            xv = tl.load(x + r * x_stride + c)
+            xv = tl.load(xrow + c)
             if HAS_RES:
-                h = _residual_sum(xv, tl.load(res + r * res_stride + c), HF).to(tl.float32)
+                h = _residual_sum(xv, tl.load(rrow + c), HF).to(tl.float32)
             else:
                 h = xv.to(tl.float32)
             a0, a1, a2, a3 = add_to_accumulator(a0, a1, a2, a3, h * h, i)
-    tl.store(var + r, vec4_row_sum(a0, a1, a2, a3) * inv_n)
+    return vec4_row_sum(a0, a1, a2, a3)
+
+
+@triton.jit
+def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
+                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
+    """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares
+    (``_row_square_sum`` times fp32(1 / N)). One warp. The residual sum is stored first, as whole-row vectors:
+    a store between the loads of the accumulation would hold each later load behind it (the compiler cannot
+    tell the buffers apart), one memory latency per element the lane reads. BLOCK: the power of two >= 128 J."""
+    r = tl.program_id(0).to(tl.int64)
+    if HAS_RES:
+        cols = tl.arange(0, BLOCK)
+        m = cols < 128 * J
+        s = _residual_sum(tl.load(x + r * x_stride + cols, mask=m, other=0.0),
+                          tl.load(res + r * res_stride + cols, mask=m, other=0.0), HF)
+        tl.store(summed + r * (128 * J) + cols, s, mask=m)
+    tl.store(var + r, _row_square_sum(x + r * x_stride, res + r * res_stride, HAS_RES, HF, J) * inv_n)
 
 
 @triton.jit
@@ -128,43 +135,43 @@ def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.conste
 
 
 @triton.jit
-def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, inv_d, D: tl.constexpr, MEAN: tl.constexpr):
-    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row,
-    or (MEAN, D = 128 J) their mean in torch's order (as ``_square_mean_kernel``), one value per head."""
+def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr):
+    """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if MEAN:
-        base = qkv + i * row_stride + h * D + tl.arange(0, 32) * 4
-        a0 = tl.zeros([32], dtype=tl.float32)
-        a1 = a0
-        a2 = a0
-        a3 = a0
-        for j in tl.static_range(D // 128):  # lane l's accumulator k: elements 128 j + 4 l + k
-            x0 = tl.load(base + j * 128).to(tl.float32)
-            x1 = tl.load(base + j * 128 + 1).to(tl.float32)
-            x2 = tl.load(base + j * 128 + 2).to(tl.float32)
-            x3 = tl.load(base + j * 128 + 3).to(tl.float32)
-            a0, a1, a2, a3 = a0 + x0 * x0, a1 + x1 * x1, a2 + x2 * x2, a3 + x3 * x3
-        m = vec4_row_sum(a0, a1, a2, a3) * inv_d
-        if h < NQ:
-            tl.store(q_sq + i * NQ + h, m)
-        else:
-            tl.store(k_sq + i * NKV + (h - NQ), m)
+    cols = tl.arange(0, D)
+    x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
+    if h < NQ:
+        tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
     else:
-        cols = tl.arange(0, D)
-        x = tl.load(qkv + i * row_stride + h * D + cols).to(tl.float32)
-        if h < NQ:
-            tl.store(q_sq + (i * NQ + h) * D + cols, x * x)
-        else:
-            tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
+        tl.store(k_sq + (i * NKV + (h - NQ)) * D + cols, x * x)
+
+
+@triton.jit
+def _head_mean_square(base, inv_d, D: tl.constexpr):
+    """The mean square of the head row at ``base`` (D = 128 J) in torch's order (as ``_square_mean_kernel``):
+    lane l's accumulator k adds elements 128 j + 4 l + k."""
+    lane4 = tl.arange(0, 32) * 4
+    a0 = tl.zeros([32], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    for j in tl.static_range(D // 128):
+        x0 = tl.load(base + j * 128 + lane4).to(tl.float32)
+        x1 = tl.load(base + j * 128 + lane4 + 1).to(tl.float32)
+        x2 = tl.load(base + j * 128 + lane4 + 2).to(tl.float32)
+        x3 = tl.load(base + j * 128 + lane4 + 3).to(tl.float32)
+        a0, a1, a2, a3 = a0 + x0 * x0, a1 + x1 * x1, a2 + x2 * x2, a3 + x3 * x3
+    return vec4_row_sum(a0, a1, a2, a3) * inv_d
 
 
 @triton.jit
 def _qk_tail_kernel(qkv, row_stride, q_var, k_var, qw, kw, cos, sin, cs_b, cs_t, q_out, k_out, k_cache, v_cache,
-                    slots, pos, pos_b, pos_t, kc_s, kc_h, kc_p, T, NQ, NKV, eps, D: tl.constexpr,
-                    HALF: tl.constexpr, HF: tl.constexpr, CACHE: tl.constexpr):
+                    slots, pos, pos_b, pos_t, kc_s, kc_h, kc_p, T, NQ, NKV, eps, inv_d, D: tl.constexpr,
+                    HALF: tl.constexpr, HF: tl.constexpr, CACHE: tl.constexpr, MEAN: tl.constexpr):
     """Program (token i, head h): the head's RMSNorm (q_norm / k_norm), then rotary at the token's position;
-    key heads also go, with the token's value head, into the KV cache at (slot, position)."""
+    key heads also go, with the token's value head, into the KV cache at (slot, position). The head's mean
+    square: ``q_var`` / ``k_var``, or (MEAN, D = 128 J) taken here in torch's order."""
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     lo = tl.arange(0, HALF)
@@ -172,12 +179,17 @@ def _qk_tail_kernel(qkv, row_stride, q_var, k_var, qw, kw, cos, sin, cs_b, cs_t,
     x_lo = tl.load(base + lo)
     x_hi = tl.load(base + HALF + lo)
     is_q = h < NQ
+    if MEAN:
+        var = _head_mean_square(base, inv_d, D)
+    elif is_q:
+        var = tl.load(q_var + i * NQ + h)
+    else:
+        var = tl.load(k_var + i * NKV + (h - NQ))
+    inv = _rsqrtf(var + eps)
     if is_q:
-        inv = _rsqrtf(tl.load(q_var + i * NQ + h) + eps)
         w_lo = tl.load(qw + lo)
         w_hi = tl.load(qw + HALF + lo)
     else:
-        inv = _rsqrtf(tl.load(k_var + i * NKV + (h - NQ)) + eps)
         w_lo = tl.load(kw + lo)
         w_hi = tl.load(kw + HALF + lo)
     n_lo = _norm_half(x_lo, inv, w_lo, HF)

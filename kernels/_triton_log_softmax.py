@@ -1,7 +1,9 @@
 """Triton kernel of the log-softmax statistics (contract, order and reference in ``log_softmax``).
 
-One program per row; torch's T = 1024 threads are the lanes of [T] vectors (their sums kept apart, in
-torch's order), whatever the program's own warps. exp / log are libdevice's (numpy's under the interpreter).
+torch's T = 1024 threads of a row are the lanes of [T / S] vectors in S programs per row (their sums kept
+apart, in torch's order), whatever the programs' own warps: the row's max from the S parts' maxima, then each
+part's threads' sums and warp trees, then one program per row adds the 32 warp sums by the block's tree. The
+bits do not depend on S. exp / log are libdevice's (numpy's under the interpreter).
 """
 from __future__ import annotations
 
@@ -25,36 +27,72 @@ else:
 
 
 @triton.jit
-def _stats_kernel(logits, stride, mx_out, logsum_out, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr):
+def _thread_ids(TS: tl.constexpr):
+    """torch's threads s TS .. (s + 1) TS - 1, s = program_id(1): the virtual threads this program runs."""
+    return tl.program_id(1) * TS + tl.arange(0, TS)
+
+
+@triton.jit
+def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
+                     TS: tl.constexpr):
+    """Program (row r, part s): the max over the elements of its virtual threads (exact in any order)."""
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
-    t = tl.arange(0, T)
+    t = _thread_ids(TS)
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]      # thread t's float4 of a 4T chunk
-    m = tl.full([T, 4], float("-inf"), tl.float32)         # the max: exact in any order
+    m = tl.full([TS, 4], float("-inf"), tl.float32)
     for k in range(K):
         m = tl.maximum(m, tl.load(row + k * 4 * T + vec))
-    mt = tl.full([T], float("-inf"), tl.float32)
+    mt = tl.full([TS], float("-inf"), tl.float32)
     for i in tl.static_range(TAIL):
         offs = MAIN + i * T + t
         mt = tl.maximum(mt, tl.load(row + offs, mask=offs < V, other=float("-inf")))
-    mx = tl.maximum(tl.max(tl.max(m, axis=1), axis=0), tl.max(mt, axis=0))
+    tl.store(part_max + r * tl.num_programs(1) + tl.program_id(1), tl.maximum(tl.max(tl.max(m, axis=1), axis=0),
+                                                                              tl.max(mt, axis=0)))
 
-    acc = tl.zeros([T], tl.float32)
-    for k in range(K):                                     # the vectors, each one's four in order
+
+@triton.jit
+def _row_max(part_max, r, S: tl.constexpr):
+    return tl.max(tl.load(part_max + r * S + tl.arange(0, S)), axis=0)
+
+
+@triton.jit
+def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
+                     TS: tl.constexpr, S: tl.constexpr):
+    """Program (row r, part s): each of its virtual threads' sum of exp(x - max) in torch's order (the float4
+    vectors, each one's four in order, then the tail), then each warp's shuffle tree; lane 0 of each of its
+    TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order)."""
+    r = tl.program_id(0).to(tl.int64)
+    row = logits + r * stride
+    t = _thread_ids(TS)
+    vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]
+    mx = _row_max(part_max, r, S)
+    acc = tl.zeros([TS], tl.float32)
+    for k in range(K):
         e = _expf(tl.load(row + k * 4 * T + vec) - mx)
-        e02, e13 = tl.split(tl.reshape(e, [T, 2, 2]))
+        e02, e13 = tl.split(tl.reshape(e, [TS, 2, 2]))
         e0, e2 = tl.split(e02)
         e1, e3 = tl.split(e13)
         acc = (((acc + e0) + e1) + e2) + e3
-    for i in tl.static_range(TAIL):                        # then the tail, one element per thread a round
+    for i in tl.static_range(TAIL):
         offs = MAIN + i * T + t
         acc = acc + tl.where(offs < V, _expf(tl.load(row + offs, mask=offs < V, other=0.0) - mx), 0.0)
-    for j in tl.static_range(5):                           # each warp's tree
-        acc = xor_step(acc, t, 16 >> j)
-    w = tl.reshape(acc, [32, 32])
+    lane = tl.arange(0, TS)
+    for j in tl.static_range(5):                           # each warp's tree (partners stay in the warp)
+        acc = xor_step(acc, lane, 16 >> j)
+    w = tl.reshape(acc, [TS // 32, 32])
     col = tl.arange(0, 32)
     warps = tl.sum(tl.where(col[None, :] == 0, w, 0.0), axis=1)  # lane 0 of each warp, exactly
-    for j in tl.static_range(5):                           # the warp sums' tree
+    tl.store(warp_sums + r * 32 + tl.program_id(1) * (TS // 32) + tl.arange(0, TS // 32), warps)
+
+
+@triton.jit
+def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, S: tl.constexpr):
+    """Row program_id(0): its max, and the log of its 32 warp sums added by the block's tree."""
+    r = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, 32)
+    warps = tl.load(warp_sums + r * 32 + col)
+    for j in tl.static_range(5):
         warps = xor_step(warps, col, 16 >> j)
-    tl.store(mx_out + r, mx)
+    tl.store(mx_out + r, _row_max(part_max, r, S))
     tl.store(logsum_out + r, _logf(element(warps, col, 0)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_torch_order import element
+
 
 @triton.jit
 def _block_z(logits, stride, temp, V, BLOCK: tl.constexpr):
@@ -26,41 +28,30 @@ def _block_stats_kernel(logits, stride, temp, block_max, block_sum, V, NB, BLOCK
 
 
 @triton.jit
-def _rescaled_sum(block_max, block_sum, idx, mx):
-    """A block's sum of exp(z - m), rescaled to the row's max: s exp(m - mx) (0 without mass)."""
-    return tl.load(block_sum + idx) * tl.exp(tl.load(block_max + idx) - mx)
-
-
-@triton.jit
 def _pick_kernel(logits, stride, temp, block_max, block_sum, uniform, out, V, NB, BLOCK: tl.constexpr,
                  NB_P2: tl.constexpr):
     """Pass 2, one program per row: the row's max M (of the block maxima), each block's sum rescaled to M
-    (s exp(m - M)), the total (those added in block order), the first block where the running sum exceeds
-    draw x total (none can, when that product rounds up to the total: then the last block with mass, and its
-    last token with mass), and inside it the token, by a cumulative sum of its exp(z - M)."""
+    (s exp(m - M)), the running sum before each block (a scan in a fixed order) and the total, the first
+    block where the running sum passes draw x total (none can, when that product rounds up to the total:
+    then the last block with mass, and its last token with mass), and inside it the token, by a cumulative
+    sum of its exp(z - M). The blocks' values are one vector: no loop over blocks, no load per block."""
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     t = tl.load(temp)
     j = tl.arange(0, NB_P2)
-    mx = tl.max(tl.load(block_max + r * NB + j, mask=j < NB, other=float("-inf")), axis=0)
-    total = tl.sum(tl.zeros([NB_P2], tl.float32), axis=0)
-    for jj in range(0, NB):
-        total += _rescaled_sum(block_max, block_sum, r * NB + jj, mx)
-    target = tl.load(uniform + r) * total
-    run = total * 0.0
-    before = total * 0.0
-    last_before = total * 0.0
-    blk = tl.sum(tl.zeros([NB_P2], tl.int32), axis=0) - 1
-    last_blk = blk
-    for jj in range(0, NB):
-        s = _rescaled_sum(block_max, block_sum, r * NB + jj, mx)
-        hit = (blk < 0) & (run + s > target)
-        blk = tl.where(hit, jj, blk)
-        before = tl.where(hit, run, before)
-        last_blk = tl.where(s > 0, jj, last_blk)
-        last_before = tl.where(s > 0, run, last_before)
-        run += s
-    found = blk >= 0
+    valid = j < NB
+    bm = tl.load(block_max + r * NB + j, mask=valid, other=float("-inf"))
+    mx = tl.max(bm, axis=0)
+    bs = tl.where(valid, tl.load(block_sum + r * NB + j, mask=valid, other=0.0) * tl.exp(bm - mx), 0.0)
+    shifted = tl.where(j > 0, tl.gather(bs, tl.maximum(j - 1, 0), 0), 0.0)
+    run = tl.cumsum(shifted, axis=0)                       # before block j
+    reach = run + bs                                       # through block j
+    target = tl.load(uniform + r) * element(reach, j, NB - 1)
+    blk = tl.min(tl.where((bs > 0) & (reach > target), j, NB_P2), axis=0)  # a block with mass
+    last_blk = tl.max(tl.where(valid & (bs > 0), j, -1), axis=0)
+    found = blk < NB
+    before = element(run, j, blk)
+    last_before = element(run, j, last_blk)
     start = tl.where(found, blk, last_blk) * BLOCK
     lane = tl.arange(0, BLOCK)
     offs = start + lane

@@ -86,12 +86,10 @@ def row_mean_emulated(t: torch.Tensor) -> torch.Tensor:
     for j in range(n // 128):
         acc = acc + chunks[:, j]
     c = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
-    while c.shape[1] > 1:
-        c = c[:, :c.shape[1] // 2] + c[:, c.shape[1] // 2:]
-    return c * _inv(n)
+    return _backend.shuffle_tree(c)[:, None] * row_mean_factor(n)
 
 
-def _inv(n: int) -> float:
+def row_mean_factor(n: int) -> float:
     """fp32(1 / n), as torch's MeanOps factor (a float quotient, not the rounding of a double one)."""
     import numpy as np
 
@@ -107,7 +105,7 @@ def square_mean(x2, res2, summed, mode) -> torch.Tensor:
     var = torch.empty(rows, 1, device=x2.device, dtype=torch.float32)
     if rows:
         _launch(_square_mean_kernel, (rows,), x2, x2.stride(0), res2 if res2 is not None else x2,
-                0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, _inv(n),
+                0 if res2 is None else res2.stride(0), summed if summed is not None else var, var, row_mean_factor(n),
                 HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128,
                 BLOCK=_block(n), num_warps=1)
     return var
@@ -225,19 +223,26 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def norm_rows(x, mode, residual=None):
+    """(x2, res2, summed): x's rows [R, N] and the residual's with unit column stride, and the buffer their
+    sum goes to (None without a residual: rounded to x's dtype for "hf", fp32 for "vllm")."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
+    res2 = None if residual is None else residual.reshape(-1, n)
+    if res2 is not None and res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    dtype = x.dtype if mode == "hf" else torch.float32
+    summed = None if res2 is None else torch.empty(x2.shape[0], n, device=x.device, dtype=dtype)
+    return x2, res2, summed
+
+
 def norm_prologue(x, mode, residual=None):
     """An RMSNorm's passes up to its last (the Triton path of ``rms_norm``): (src [R, N], var [R, 1], summed):
     the rows it normalises (x's, or the residual sum written by the square pass: rounded to x's dtype for
     "hf", fp32 for "vllm"), their mean squares (torch's mean, ``row_mean``'s bits), and that sum (None
     without a residual; for "hf" it is the new residual)."""
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
-    rows = x2.shape[0]
-    res2 = None if residual is None else residual.reshape(-1, n)
-    if res2 is not None and res2.stride(-1) != 1:
-        res2 = res2.contiguous()
-    hf = mode == "hf"
-    summed = None if res2 is None else torch.empty(rows, n, device=x.device, dtype=x.dtype if hf else torch.float32)
+    x2, res2, summed = norm_rows(x, mode, residual)
+    n, rows, hf = x2.shape[1], x2.shape[0], mode == "hf"
     if mean_in_pass(n, x.device):
         return (x2 if summed is None else summed), square_mean(x2, res2, summed, mode), summed
     sq = _squares_buffer(rows, n, x.device)
@@ -286,23 +291,24 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
     from ._triton_fused_ops import _qk_square_kernel, _qk_tail_kernel
 
     dev, rows = qkv.device, b * t
-    in_pass = mean_in_pass(d, dev)
-    # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows, where
-    # torch's order for a row depends on the row length alone, so each row's bits are those of its own call);
-    # or the means themselves, from the square pass
-    sq = (torch.empty(rows * (n_q + n_kv), 1, device=dev, dtype=torch.float32) if in_pass
-          else _squares_buffer(rows * (n_q + n_kv), d, dev))
-    q_sq, k_sq = sq[:rows * n_q], sq[rows * n_q:]
     q_out = torch.empty(b, t, n_q, d, device=dev, dtype=qkv.dtype)
     k_out = torch.empty(b, t, n_kv, d, device=dev, dtype=qkv.dtype)
     if rows == 0:
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     q2 = qkv.reshape(rows, width) if qkv.is_contiguous() else qkv.contiguous().view(rows, width)
     grid = (rows, n_q + n_kv)
-    _launch(_qk_square_kernel, grid, q2, q2.stride(0), q_sq, k_sq, n_q, n_kv, _inv(d), D=d, MEAN=in_pass,
-            num_warps=1 if in_pass else 4)
-    var = sq if in_pass else sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
-    q_var, k_var = var[:rows * n_q], var[rows * n_q:]
+    in_pass = mean_in_pass(d, dev)  # the tail takes each head's mean itself
+    if in_pass:
+        q_var = k_var = q_out  # not read
+    else:
+        # q's [b, t, n_q] rows, k's [b, t, n_kv] rows, then padding: one mean call for both (of >= 16 rows,
+        # where torch's order for a row depends on the row length alone, so each row's bits are those of its
+        # own call)
+        sq = _squares_buffer(rows * (n_q + n_kv), d, dev)
+        _launch(_qk_square_kernel, grid, q2, q2.stride(0), sq[:rows * n_q], sq[rows * n_q:], n_q, n_kv, D=d,
+                num_warps=4)
+        var = sq.mean(-1, keepdim=True)  # torch's reduction, on the reference's values
+        q_var, k_var = var[:rows * n_q], var[rows * n_q:]
     cs, sn = cos.reshape(b, t, d), sin.reshape(b, t, d)
     if cs.stride(-1) != 1 or sn.stride() != cs.stride():
         cs, sn = cs.contiguous(), sn.contiguous()
@@ -320,7 +326,9 @@ def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=
         has_cache = True
     _launch(_qk_tail_kernel, grid, q2, q2.stride(0), q_var, k_var, q_weight, k_weight, cs, sn,
             cs.stride(0), cs.stride(1), q_out, k_out, kc, vc, slots, pos, pos.stride(0), pos.stride(1),
-            *kcs, t, n_q, n_kv, eps, D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache)
+            *kcs, t, n_q, n_kv, eps, row_mean_factor(d), D=d, HALF=d // 2, HF=mode == "hf", CACHE=has_cache,
+            MEAN=in_pass,
+            num_warps=1 if in_pass else 4)  # the mean's lane trees in one warp, as the square passes take them
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 

@@ -47,14 +47,6 @@ class LogSoftmaxRows(NamedTuple):
         return (self.logits - self.mx[:, None]) - self.logsum[:, None]
 
 
-def _fold(v: torch.Tensor) -> torch.Tensor:
-    """Lane 0 of a shuffle tree with decreasing offsets over the last dim (halves)."""
-    while v.shape[-1] > 1:
-        h = v.shape[-1] // 2
-        v = v[..., :h] + v[..., h:]
-    return v[..., 0]
-
-
 def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
     """The statistics in torch's order (module docstring), in PyTorch: the kernel's reference."""
     b, v = logits.shape
@@ -70,21 +62,43 @@ def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
     for start in range(main, v, THREADS):
         n = min(THREADS, v - start)
         acc[:, :n] = acc[:, :n] + e[:, start:start + n]
-    total = _fold(_fold(acc.view(b, 32, 32)))
+    total = _backend.shuffle_tree(_backend.shuffle_tree(acc.view(b, 32, 32)))
     return LogSoftmaxRows(logits, mx, _backend.kernel_math("log", total))
 
 
-def log_softmax_stats(logits: torch.Tensor) -> LogSoftmaxRows:
-    """The Triton kernel (``_triton_log_softmax``): one program per row, two reads of it."""
-    from ._triton_log_softmax import _stats_kernel
+def parts_per_row(rows: int, device) -> int:
+    """S, the programs a row's 1024 threads are spread over (a power of two, 1 .. 32): enough for two programs
+    per SM, which one program per row leaves idle at decode batch sizes."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    s = 1
+    while s < 32 and rows * s < 2 * sms:
+        s *= 2
+    return s
+
+
+def log_softmax_stats(logits: torch.Tensor, parts: int | None = None) -> LogSoftmaxRows:
+    """The Triton kernels (``_triton_log_softmax``): S = ``parts`` programs per row (default
+    ``parts_per_row``) read it twice (max, then the sums), one program per row finishes; the bits do not
+    depend on S."""
+    from ._triton_log_softmax import _finish_kernel, _max_part_kernel, _sum_part_kernel
 
     b, v = logits.shape
-    mx = torch.empty(b, device=logits.device, dtype=torch.float32)
+    dev = logits.device
+    mx = torch.empty(b, device=dev, dtype=torch.float32)
     logsum = torch.empty_like(mx)
     if b:
+        s = parts or parts_per_row(b, dev)
+        if s not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"parts must be a power of two in 1 .. 32, got {s}")
+        ts = THREADS // s
         main = v - v % (ILP * THREADS)
-        _stats_kernel[(b,)](logits, logits.stride(0), mx, logsum, v, main // (ILP * THREADS), main,
-                            TAIL=-(-(v - main) // THREADS), T=THREADS, num_warps=8)
+        part_max = torch.empty(b, s, device=dev, dtype=torch.float32)
+        warp_sums = torch.empty(b, 32, device=dev, dtype=torch.float32)
+        shape = dict(TAIL=-(-(v - main) // THREADS), T=THREADS, TS=ts, num_warps=max(1, min(8, ts // 32)))
+        k = main // (ILP * THREADS)
+        _max_part_kernel[(b, s)](logits, logits.stride(0), part_max, v, k, main, **shape)
+        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, S=s, **shape)
+        _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, S=s, num_warps=1)
     return LogSoftmaxRows(logits, mx, logsum)
 
 

@@ -148,11 +148,13 @@ def _draw_seed(generator) -> int:
 
 def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
           rounding="nearest", rht=False, generator=None, check=True, width=None, gather=None, groups=1,
-          codes=True, dq_dtype=None, silu=None, norm=None) -> _Cast:
+          codes=True, dq_dtype=None, silu=None, norm=None, norm_residual=None) -> _Cast:
     """Formula "te" or "vllm" through the Triton kernels: x any strided 2D view, the operand per (width,
     gather), ``groups`` row groups with their own tensor amax (tensor scaling). ``silu`` (up, mode): the
     operand is SiLU(x) * up (``quantize_silu_mul`` says where this is taken). ``norm`` (var, weight, eps,
-    mode, y): the operand is the RMSNorm of x's rows, also stored in y (``quantize_rms_norm``)."""
+    mode, y): the operand is the RMSNorm of x's rows, also stored in y (``quantize_rms_norm``); var None: the
+    cast takes the mean itself (rows of 128 J, one per program), of x + residual with ``norm_residual``
+    (residual, summed: where the sum goes)."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -163,6 +165,12 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
                 .get(x.dtype, K.RHT_F32))
     row_amax = scaling == "row" and cw <= MAX_KP
     br, bc, warps, grid = _tiles(x, cw, tile16, scaling == "row")
+    norm_j, inv_n = 0, 0.0
+    if norm is not None and norm[0] is None:  # the mean in the cast: whole rows, one per program
+        from .fused_ops import row_mean_factor
+        if not (bc >= cw == c and c % 128 == 0 and x.stride(1) == 1 and gather is None):
+            raise ValueError("the cast takes a norm's mean only over whole rows of 128 J unit-stride columns")
+        br, norm_j, inv_n, grid = 1, c // 128, row_mean_factor(c), (r, 1)
     planes = (formula == "te" and not tile16 and scaling == "tensor" and x.stride(0) == 1 and x.stride(1) != 1
               and r > 1)
     if planes:
@@ -218,15 +226,18 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
     elif r and cw:
         up = x if silu is None else silu[0]
         var, w, eps, norm_mode, y = norm if norm is not None else (dummy, x, 0.0, None, x)
+        res, summed = norm_residual if norm_residual is not None and norm_residual[0] is not None else (x, x)
         K._cast_kernel[grid](
             x, gather_t, amax_t if amax_t is not None else dummy,
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,
             sdec_rows if sdec_rows is not None else dummy, sdec_groups,
             (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad, up,
-            var, w, y, *common, up.stride(0), rpg, seed, eps, BR=br, BC=bc, GATHER=gather is not None,
+            var if var is not None else dummy, w, y, res, summed, *common, up.stride(0), res.stride(0), rpg, seed,
+            eps, inv_n, BR=br, BC=bc, GATHER=gather is not None,
             RHT=rht_mode, TILE16=tile16,
             SILU_MUL=K.SILU_NONE if silu is None else {"hf": K.SILU_HF, "vllm": K.SILU_VLLM}[silu[1]],
             NORM=K.NORM_NONE if norm is None else {"hf": K.NORM_HF, "vllm": K.NORM_VLLM}[norm_mode],
+            NORM_J=norm_j, NORM_RES=norm_j != 0 and res is not x,
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
@@ -317,8 +328,9 @@ def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: s
     take it, the norm's last pass is the cast (one launch less; it still stores y for the norm's other
     readers): formula "te" / "vllm", 1x16 blocks, row scaling of rows one program holds or static scaling,
     BF16 / FP16 x with the weight in its dtype, and no residual in mode "vllm" (whose last pass also rounds
-    the residual); else the two calls."""
-    from .fused_ops import _check_mode, norm_prologue, rms_norm
+    the residual); else the two calls. With row scaling of rows of 128 J whose square pass would take the mean
+    itself (``fused_ops.mean_in_pass``), the cast takes it too: the whole norm in one launch."""
+    from .fused_ops import _check_mode, mean_in_pass, norm_prologue, norm_rows, rms_norm
     _check_mode(mode)
     kw = _producer_kwargs(formula, tile, scaling, amax, global_encode_scale)
     fused = (_producer_fits(x, formula, tile, scaling, backend) and x.dim() >= 2 and weight.dtype == x.dtype
@@ -329,10 +341,18 @@ def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: s
         y = out if residual is None else out[0]
         a = quantize(y.reshape(-1, y.shape[-1]), check=check, backend=backend, **kw)
         return (y, a) if residual is None else (y, out[1], a)
-    src, var, summed = norm_prologue(x, mode, residual)
-    _validate(src, None, None, **kw)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    a = _to_nvfp4(_cast(src, check=check, norm=(var, weight.contiguous(), eps, mode, y), **kw), scaling)
+    n = x.shape[-1]
+    if scaling == "row" and n % 128 == 0 and mean_in_pass(n, x.device):  # the whole norm in the cast
+        x2, res2, summed = norm_rows(x, mode, residual)
+        _validate(x2, None, None, **kw)
+        cast = _cast(x2, check=check, norm=(None, weight.contiguous(), eps, mode, y), norm_residual=(res2, summed),
+                     **kw)
+    else:
+        src, var, summed = norm_prologue(x, mode, residual)
+        _validate(src, None, None, **kw)
+        cast = _cast(src, check=check, norm=(var, weight.contiguous(), eps, mode, y), **kw)
+    a = _to_nvfp4(cast, scaling)
     return (y, a) if residual is None else (y, summed.view(x.shape), a)
 
 

@@ -72,15 +72,6 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _fold(v: torch.Tensor, tree: str, lanes: int) -> torch.Tensor:
-    """Lane 0's value after a shuffle tree over the first ``lanes`` columns of v [T, >= lanes]."""
-    v = v[:, :lanes]
-    while v.shape[1] > 1:
-        h = v.shape[1] // 2
-        v = v[:, :h] + v[:, h:] if tree == "halves" else v[:, 0::2] + v[:, 1::2]
-    return v[:, 0]
-
-
 def bitonic_stages():
     """torch's 32-slot network, in order: (stride, size) per compare-and-swap stage; a pair (p, p + stride)
     (bit ``stride`` of p clear) is put in descending order where bit ``size`` of p is clear (size 0: the
@@ -116,7 +107,7 @@ def route_emulated(logits, top_k: int, norm_topk: bool, mode: str, dtype=None, t
     s = torch.zeros(t, w, dtype=torch.float32, device=logits.device)
     for i in range(width // w):
         s = s + ex[:, i]
-    total = _fold(s, "halves", w)  # the xor butterfly: halves
+    total = _backend.shuffle_tree(s[:, :w])  # the xor butterfly: halves
     p = (ex / total[:, None, None]).reshape(t, width)[:, :e]
 
     # the radix select's choice and write order
@@ -155,7 +146,7 @@ def route_emulated(logits, top_k: int, norm_topk: bool, mode: str, dtype=None, t
         padded = torch.zeros(t, 2 * bx, dtype=torch.float32, device=p.device)
         padded[:, :top_k] = top
         lane = padded[:, :bx] + padded[:, bx:]  # element l, plus element l + bx where there is one
-        top = top / _fold(lane, tree, bx)[:, None]
+        top = top / _backend.shuffle_tree(lane[:, :bx], tree)[:, None]
     return top.to(_out_dtype(logits, mode, dtype)), idx
 
 

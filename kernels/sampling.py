@@ -12,11 +12,11 @@ Paths. ``sample_tokens_reference`` (PyTorch: softmax, cumsum over V, searchsorte
 every top_p < 1 call (it sorts). Plain sampling on CUDA runs two passes: one program per (row, block of
 BLOCK logits) for the block's max m of z = logits / t and its sum of exp(z - m) (one read of the logits), then
 one per row that takes the row's max M of the blocks' maxima, rescales each block's sum to it (s exp(m - M)),
-adds them in block order, finds the block where the running sum crosses draw x total, and looks inside that
-block (a cumulative sum of its exp(z - M)). No softmax tensor and no [B, V] cumulative sum (on a 151,936-id
+adds them up by a scan over the blocks, finds the block where the running sum crosses draw x total, and looks
+inside that block (a cumulative sum of its exp(z - M)). No softmax tensor and no [B, V] cumulative sum (on a 151,936-id
 vocabulary the reference's scan alone costs ~0.25 ms per decode step at batch 64), and every SM busy: one
 program per row would leave most of the GPU idle at decode batch sizes. The kernels sum in their own fixed
-order (blocks in order, a tree inside each), so their cumulative values can differ from the reference's in
+order (scans and trees of fixed shape), so their cumulative values can differ from the reference's in
 the last bits: where a draw lands within that rounding of a boundary the two may pick neighbouring tokens.
 Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
 kernel token against a float64 CDF.

@@ -23,6 +23,21 @@ def test_kernel_is_its_emulation(v):
     assert torch.equal(a.at(tok), a.full().gather(-1, tok[:, None]).squeeze(-1))
 
 
+@pytest.mark.parametrize("parts", [1, 2, 8, 32])
+def test_kernel_bits_do_not_depend_on_the_parts_per_row(parts):
+    """A row's threads spread over 1 .. 32 programs: the same per-thread sums and trees, the same bits."""
+    x = _logits(2, L.SMEM_MIN + 400, parts)
+    a, b = L.log_softmax_stats_emulated(x), L.log_softmax_stats(x, parts=parts)
+    assert torch.equal(a.mx, b.mx) and torch.equal(a.logsum, b.logsum)
+
+
+def test_parts_per_row_fill_the_gpu():
+    cpu = torch.device("cpu")
+    assert L.parts_per_row(64, cpu) == 1 and L.parts_per_row(1, cpu) == 8 and L.parts_per_row(3, cpu) == 4
+    with pytest.raises(ValueError, match="power of two"):
+        L.log_softmax_stats(_logits(1, L.SMEM_MIN, 0), parts=3)
+
+
 def test_one_logit_rows_and_what_is_covered():
     """A row whose mass is one logit: max 0, a sum of exactly 1, logsum 0. Rows outside torch's regular
     kernel (short, or not a whole number of float4s) are not covered; the CPU takes torch's log-softmax."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from minite.kernels import (
     checks,
+    fused_ops,
     quantize,
     quantize_dequantize,
     quantize_rms_norm,
@@ -218,6 +219,21 @@ def test_rms_norm_inside_the_cast_is_the_reference():
     fallback; 5 rows, below a mean call's minimum)."""
     res = checks.check_rms_norm_quantizers(torch.device("cpu"), backend="triton", rows=37, hidden=96)
     assert all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+
+
+def test_rms_norm_cast_with_its_mean_is_the_emulated_reference(monkeypatch):
+    """With the mean in the pass (forced on here, the interpreter; on the GPU where torch's order is proven) the
+    cast takes the norm's mean itself (no square pass), and every output equals the reference with torch's
+    CUDA mean order (``row_mean_emulated``): both modes, with and without a residual, both formulas."""
+    monkeypatch.setattr(fused_ops, "mean_in_pass", lambda n, device: n % 128 == 0)
+    monkeypatch.setattr(fused_ops, "row_mean", lambda t: fused_ops.row_mean_emulated(
+        t.reshape(-1, t.shape[-1])).reshape(*t.shape[:-1], 1))
+    square_means, square_mean = [], fused_ops.square_mean
+    monkeypatch.setattr(fused_ops, "square_mean", lambda *a: square_means.append(1) or square_mean(*a))
+    res = checks.check_rms_norm_quantizers(torch.device("cpu"), backend="triton", rows=19, hidden=256)
+    assert len(res) == 14 and all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+    # 7 cases x 2 row counts; the 3 fused row-scaling cases (vllm with a residual is not fused) take no pass
+    assert len(square_means) == 8
 
 
 def test_rms_norm_cast_has_no_separate_norm_tail(monkeypatch):
