@@ -39,7 +39,7 @@ DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 
 FRAG_DEPTHS = (4, 8)    # ring depths compiled in for weight codes in fragment order (``weights.fragment_order``)
 TILES = (1, 2, 4)       # n8 token tiles per CTA compiled in
 LANES = (1, 2, 4, 8)    # warps sharing a row group's K chunks (chunked contract only)
-ROW_GROUPS = (1, 2, 4, 8, 16)  # row groups of 16 weight rows a warp runs one after another per token tile
+ROW_GROUPS = tuple(range(1, 17))  # row groups of 16 weight rows a warp runs one after another per token tile
 
 
 def enabled() -> bool:

@@ -314,6 +314,7 @@ _grouped_broken: set = set()  # configs that did not build/fit on this GPU (then
 GROUPED_RESIDENT_CTAS = 264  # 4-warp decode CTAs resident at once on the H200 (2 per SM x 132 SMs)
 GROUPED_LISTED_CTAS = 528  # 4 per SM listed, 3 resident (the 168-register row-group build); the others start as
                            # the first ones finish, so the tiles spread more evenly than over 396 resident CTAs
+GROUPED_WAVE_CTAS = 396  # one wave of that build: 3 resident CTAs x 132 SMs
 
 
 def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
@@ -327,6 +328,13 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     8 steps, 264 CTAs, 396 at short K below 4 rows per expert): gate_up 1536x2048 at 64 / 16 / 8 tokens
     83.8 -> 75.2 / 57.3 -> 53.9 / 47.6 -> 41.6 (RG 4); down 2048x768 48.5 -> 47.9 / 34.7 -> 34.6 / 27.9 -> 28.9
     (RG 4; RG 8 would take 25.6 there, but its 256 pairs sit where the small model's down 1024x256 must halve).
+    Up to 4 rows per expert, where the tiles (at most min(M, E)) x row blocks at RG 8 would overflow one wave of
+    396 resident CTAs (down 2048x768 from 16 tokens: 128 x 4 blocks), RG rises to the fewest row groups per warp
+    whose blocks fit one wave (RG 11: 3 blocks). H200 sweep at 16 / 32 / 48 / 64 tokens (RG 4, 6, 8, 10, 11, 12,
+    16 x CTAS 396 / 528 / 792, fragment-order codes, bitwise equal to the default; CUDA-graph medians of three
+    interleaved rounds), us: down RG 8 -> 11 34.8 -> 34.1 / 46.5 -> 44.5 / 48.1 -> 44.6 / 49.5 -> 44.7 (RG 16
+    45.8-46.4 above 16 tokens, RG 10: four blocks, 54-62); gate_up stays at RG 8 (74.5-75.8 against RG 12's
+    75.9-76.6); CTAS changed nothing.
     At RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile is over before a
     deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not apply (one row group
     per tile).
@@ -341,6 +349,10 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     rg = 8 if three else 4
     while rg > 1 and min(m, e) * -(-(n // ROWS_PER_WARP) // (4 * rg)) < GROUPED_RESIDENT_CTAS:
         rg //= 2
+    tiles, groups = min(m, e), n // ROWS_PER_WARP
+    if rg == 8 and three and m <= 4 * e and tiles * -(-groups // (4 * rg)) > GROUPED_WAVE_CTAS:
+        # the tiles at RG 8 need a second, partial wave: the fewest row groups per warp that fit one wave
+        rg = min(16, -(-groups // (4 * max(1, GROUPED_WAVE_CTAS // tiles))))
     if rg > 1:
         return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg,
                     CTAS=GROUPED_LISTED_CTAS if three else GROUPED_RESIDENT_CTAS)

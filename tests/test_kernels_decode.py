@@ -118,7 +118,7 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
         _cuda_decode._check(dict(NT=1, W=4, D=2))  # the ring runs D - 3 steps ahead
     with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
-        _cuda_decode._check(dict(NT=1, W=4, D=8, RG=3))  # row groups per warp: 1, 2, 4, 8 or 16
+        _cuda_decode._check(dict(NT=1, W=4, D=8, RG=17))  # row groups per warp: 1 .. 16
     with pytest.raises(ValueError, match="power of two"):
         _cuda_decode.chunk_log2(3)
     with pytest.raises(ValueError, match="no token segment fits"):  # a round of 8 chunks of 4 steps > 8 steps
@@ -242,7 +242,11 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     # row groups in sequence where the tiles still fill the GPU: 64 tokens x top-8, not 1 token
     assert G.grouped_cuda_config(512, 128, 2048, 1536)["RG"] == 8
     assert G.grouped_cuda_config(64, 128, 2048, 1536)["RG"] == 4  # 8 tokens: 64 tiles x 3 blocks < 264
-    assert G.grouped_cuda_config(512, 128, 768, 2048)["RG"] == 8
+    # down 2048x768 from 16 tokens: 128 tiles x 4 row blocks at RG 8 overflow one wave of 396 CTAs; RG 11 makes
+    # it 3 blocks (one wave); gate_up's 3 blocks at RG 8 already fit
+    for m in (128, 256, 512):
+        assert G.grouped_cuda_config(m, 128, 768, 2048)["RG"] == 11
+    assert G.grouped_cuda_config(1024, 128, 768, 2048)["RG"] == 8  # above 4 rows per expert: not measured
     assert G.grouped_cuda_config(64, 128, 768, 2048)["RG"] == 4
     assert G.grouped_cuda_config(512, 128, 4096, 1536)["RG"] == 4  # K > 16 steps: from 4
     # up to 16 K steps three CTAs fit per SM: 528 listed; above, two (264)
@@ -256,7 +260,7 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G.grouped_cuda_config(256, 32, 256, 1024)["NT"] == 2
     assert G.grouped_cuda_config(128, 32, 256, 1024)["NT"] == 1
     assert G.grouped_cuda_config(4096, 128, 2048, 1536)["NT"] == 1  # long K: NT = 1 at any rows per expert
-    assert G.grouped_cuda_config(1024, 128, 768, 2048)["RG"] == 8   # RG fills the GPU: NT = 1 (measured faster)
+    assert G.grouped_cuda_config(1024, 128, 768, 2048)["NT"] == 1   # RG fills the GPU: NT = 1 (measured faster)
     assert G._grouped_config(False, True, 16384 * 8, 128, dev, cuda_ok=True) == G.GROUPED_F16_CONFIG
     assert G._grouped_config(False, False, 8, 128, dev, cuda_ok=False) == G.GROUPED_FALLBACK
 
@@ -316,7 +320,7 @@ CONFIGS = [dict(variant="cuda", NT=nt, W=w, D=d, SEG=seg) for nt, w, d, seg in
            ((1, 4, 8, 4), (2, 4, 8, 4), (1, 2, 4, 4), (2, 8, 4, 4), (4, 4, 8, 4), (1, 1, 8, 4), (1, 4, 16, 0),
             (2, 4, 8, 0), (2, 8, 16, 0), (4, 8, 8, 0))]
 CONFIGS += [dict(variant="cuda", NT=nt, W=w, D=d, SEG=0, RG=rg) for nt, w, d, rg in
-            ((1, 4, 8, 4), (2, 4, 8, 2), (1, 2, 4, 8), (1, 8, 16, 16))]
+            ((1, 4, 8, 4), (2, 4, 8, 2), (1, 2, 4, 8), (1, 8, 16, 16), (1, 4, 8, 11))]
 
 
 @pytest.mark.gpu
@@ -380,7 +384,8 @@ def test_gpu_grouped_decode_bit_equal(tokens):
     want = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=G.GROUPED_FALLBACK)
     for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=4), dict(NT=1, W=4, D=8, SEG=0, RG=4),
                 dict(NT=1, W=2, D=4, SEG=0, RG=16, CTAS=64), dict(NT=2, W=8, D=8, SEG=0, RG=2),
-                dict(NT=1, W=4, D=16, SEG=0, RG=4)):
+                dict(NT=1, W=4, D=16, SEG=0, RG=4), dict(NT=1, W=4, D=8, SEG=0, RG=11),
+                dict(NT=1, W=4, D=4, SEG=0, RG=3, CTAS=100)):
         cfg = dict(variant="cuda", **cfg)
         for e in (ex, exf):  # row-major codes, fragment order (depths 4 / 8; 16 reads the row-major codes)
             got = grouped_nvfp4_gemm(a, e, offs, out_dtype=torch.float32, config=cfg)
