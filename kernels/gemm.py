@@ -346,13 +346,17 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8."""
     from ._cuda_decode import ROWS_PER_WARP, STEP_K
     short, three = 0 < k <= 8 * STEP_K, 0 < k <= 16 * STEP_K
-    rg = 8 if three else 4
-    while rg > 1 and min(m, e) * -(-(n // ROWS_PER_WARP) // (4 * rg)) < GROUPED_RESIDENT_CTAS:
-        rg //= 2
     tiles, groups = min(m, e), n // ROWS_PER_WARP
-    if rg == 8 and three and m <= 4 * e and tiles * -(-groups // (4 * rg)) > GROUPED_WAVE_CTAS:
+
+    def row_blocks(rg: int) -> int:  # a tile's blocks of 4 warps x RG row groups
+        return -(-groups // (4 * rg))
+
+    rg = 8 if three else 4
+    while rg > 1 and tiles * row_blocks(rg) < GROUPED_RESIDENT_CTAS:
+        rg //= 2
+    if rg == 8 and three and m <= 4 * e and tiles * row_blocks(rg) > GROUPED_WAVE_CTAS:
         # the tiles at RG 8 need a second, partial wave: the fewest row groups per warp that fit one wave
-        rg = min(16, -(-groups // (4 * max(1, GROUPED_WAVE_CTAS // tiles))))
+        rg = min(16, row_blocks(max(1, GROUPED_WAVE_CTAS // tiles)))
     if rg > 1:
         return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg,
                     CTAS=GROUPED_LISTED_CTAS if three else GROUPED_RESIDENT_CTAS)
