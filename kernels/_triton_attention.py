@@ -111,22 +111,23 @@ def _add_pv_f64(acc, p, p_t, v_base, sv_n, key0, n_keys, D: tl.constexpr, UNROLL
 
 @triton.jit
 def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
-                      n_q_heads, rep, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
+                      n_q_heads, rep, groups, rows, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
                       scale_bits, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                       DIRECT: tl.constexpr, QK_STAGES: tl.constexpr, PV_UNROLL: tl.constexpr,
                       PV_MASKED: tl.constexpr):
-    """One (sequence, KV head, split): the KV head's ``rep`` query heads against keys [lo, hi) of the split.
-    Grid (B, Hkv, splits); DIRECT (one split): write the output itself, else a partial for merge_splits."""
+    """One (sequence, KV head, head group, split): ``rows`` of the KV head's ``rep`` query heads (group g:
+    heads g * rows ..) against keys [lo, hi) of the split. Grid (B, Hkv x groups, splits); DIRECT (one split):
+    write the output itself, else a partial for merge_splits. A row's sums do not involve the other rows."""
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // groups
     scale = _f64(scale_bits)
     slot = tl.load(slot_ids + b).to(tl.int64)
     lo, hi = _split_range(tl.load(seq_lens + b), BN)
-    hh = tl.arange(0, BH)
-    hmask = hh < rep
+    hh = tl.program_id(1) % groups * rows + tl.arange(0, BH)
+    hmask = (tl.arange(0, BH) < rows) & (hh < rep)
     heads = kvh * rep + hh
-    q64 = scratch + ((b * tl.num_programs(1) + kvh) * tl.num_programs(2) + tl.program_id(2)).to(tl.int64) \
-        * (BH * D + BN * BH)
+    prog = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    q64 = scratch + prog.to(tl.int64) * (BH * D + BN * BH)
     _stage_rows_f64(q + b.to(tl.int64) * sq_b + heads * sq_h, hmask, q64, D)
     k_base = k_cache + slot * sk_slot + kvh.to(tl.int64) * sk_head
     v_base = v_cache + slot * sv_slot + kvh.to(tl.int64) * sv_head

@@ -151,6 +151,20 @@ def _f64_decode_warps(rows: int, d: int) -> int:
     return 2 if rows >= 16 or rows * d >= 1024 else 1
 
 
+def f64_head_groups(batch: int, kv_heads: int, rep: int, device: torch.device) -> int:
+    """Programs per KV head in the float64 decode, each taking rep / groups of its query heads: the fewest
+    (a power of two, at most rep) that give two programs per SM before KV splits. A function of shapes only.
+    H200, CUDA-graph medians of three interleaved rounds, every variant bitwise equal (us, one group -> this
+    rule; warps by ``_f64_decode_warps``, default splits): Qwen3-30B-A3B's 8 x 128 rows at batch 64 and 66-96
+    keys 23.4 -> 21.1 (2 groups), 290-320 keys 61.4 -> 53.9, 994-1024 keys 155.4 -> 138.4; at batch 8 and
+    66-96 keys 21.5 -> 19.2 (8 groups); the ``small`` model's 4 x 64 at batch 256 keeps one group (32.8 us;
+    two: 48.6)."""
+    groups = 1
+    while groups < rep and batch * kv_heads * groups < 2 * _sm_count(device):
+        groups *= 2
+    return min(groups, rep)
+
+
 def default_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """KV splits per sequence: enough programs for ~4 per SM, no more than whole 64-key blocks at max_len.
     A function of shapes only (fixed per captured batch size)."""
@@ -161,9 +175,11 @@ def default_splits(batch: int, kv_heads: int, max_len: int, device: torch.device
 # ---------------------------------------------------------------------------------------------- decode
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
                      seq_lens: torch.Tensor, scaling: float, numerics: str = "fast", splits: int | None = None,
-                     backend: str | None = None, check_values: bool = True) -> torch.Tensor:
+                     backend: str | None = None, check_values: bool = True, head_groups: int | None = None
+                     ) -> torch.Tensor:
     """See the module docstring. Returns [B, Hq, D] in q's dtype. ``check_values``: range-check slot_ids /
-    seq_lens on CPU (a read back to the host; the GPU path never does)."""
+    seq_lens on CPU (a read back to the host; the GPU path never does). ``head_groups`` (float64 only):
+    programs per KV head, each taking its share of the query heads (None: ``f64_head_groups``)."""
     _check_decode(q, k_cache, v_cache, slot_ids, seq_lens, numerics, check_values)
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
@@ -188,11 +204,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (b, hkv, splits)
     strides = (*q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3])
     if f64:
-        bh = _pow2(rep)
-        scratch = torch.empty(b * hkv * splits * (bh * d + F64_BN * bh), dtype=torch.float64, device=q.device)
+        groups = int(head_groups) if head_groups else f64_head_groups(b, hkv, rep, q.device)
+        if not 1 <= groups <= rep:
+            raise ValueError(f"head_groups must be in [1, {rep}] (query heads per KV head), got {groups}")
+        rows = -(-rep // groups)
+        groups = -(-rep // rows)  # no empty group
+        bh = _pow2(rows)
+        grid = (b, hkv * groups, splits)
+        scratch = torch.empty(b * hkv * groups * splits * (bh * d + F64_BN * bh), dtype=torch.float64,
+                              device=q.device)
         unroll, masked = F64_PV["decode"]
         ta.decode_f64_kernel[grid](q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, scratch, out,
-                                   hq, rep, *strides, _f64_bits(scaling), D=d, BH=bh, BN=F64_BN, BD=F64_BD,
+                                   hq, rep, groups, rows, *strides, _f64_bits(scaling), D=d, BH=bh, BN=F64_BN,
+                                   BD=F64_BD,
                                    DIRECT=splits == 1, QK_STAGES=f64_qk_stages(bh), PV_UNROLL=unroll,
                                    PV_MASKED=masked,
                                    num_warps=_f64_decode_warps(bh, d), num_stages=1)

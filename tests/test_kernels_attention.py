@@ -47,6 +47,26 @@ def test_decode_invariant_is_bitwise_the_reference(hq, hkv, d, slots, s_max, slo
 
 
 @pytest.mark.parametrize("hq,hkv,d,slots,s_max,slot_ids,seq_lens", DECODE_CASES[:2] + DECODE_CASES[3:])
+def test_decode_invariant_bits_do_not_depend_on_head_groups(hq, hkv, d, slots, s_max, slot_ids, seq_lens):
+    kc, vc = _cache(slots, hkv, s_max, d)
+    q, ids, lens = _q(len(slot_ids), hq, d), _ids(slot_ids), _ids(seq_lens)
+    want = A.decode_attention_reference(q, kc, vc, ids, lens, d ** -0.5, "invariant")
+    rep = hq // hkv
+    for groups, splits in ((2, 1), (rep, 2), (3, 1)):  # GQA 3 in 2 groups: rows 2 + 1 (one masked)
+        got = A.decode_attention(q, kc, vc, ids, lens, d ** -0.5, "invariant", splits=splits, backend="triton",
+                                 head_groups=groups)
+        assert torch.equal(got, want), (groups, splits)
+
+
+def test_f64_head_groups_fill_two_programs_per_sm(monkeypatch):
+    monkeypatch.setattr(A, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    # (batch, KV heads, query heads per KV head) -> groups: Qwen3-30B-A3B at batch 64 / 8 / 128, the small model
+    for shape, groups in (((64, 4, 8), 2), ((8, 4, 8), 8), ((128, 4, 8), 1), ((256, 4, 4), 1), ((1, 4, 3), 3)):
+        assert A.f64_head_groups(*shape, dev) == groups, shape
+
+
+@pytest.mark.parametrize("hq,hkv,d,slots,s_max,slot_ids,seq_lens", DECODE_CASES[:2] + DECODE_CASES[3:])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_fast_matches_sdpa(hq, hkv, d, slots, s_max, slot_ids, seq_lens, splits):
     kc, vc = _cache(slots, hkv, s_max, d, seed=2)
@@ -166,6 +186,9 @@ def test_bad_inputs():
         A.decode_attention(q, kc, vc, _ids([0, 2]), lens, 0.25)
     with pytest.raises(ValueError, match="splits"):
         A.decode_attention(q, kc, vc, ids, lens, 0.25, splits=65, backend="triton")
+    for groups in (-1, 3):  # 2 query heads per KV head
+        with pytest.raises(ValueError, match="head_groups"):
+            A.decode_attention(q, kc, vc, ids, lens, 0.25, "invariant", head_groups=groups, backend="triton")
     with pytest.raises(ValueError, match="bool mask"):
         A.invariant_attention(q[:, :, None], kc[:, :, :4], vc[:, :, :4], 0.25, keep=torch.ones(1, 4, dtype=torch.int8))
 
@@ -187,9 +210,9 @@ def _gpu_decode_case(b, hq, hkv, d, s_max, seed=0):
 def test_gpu_decode_vs_reference(hq, hkv, d):
     q, kc, vc, ids, lens = _gpu_decode_case(24, hq, hkv, d, 600)
     want = A.decode_attention_reference(q, kc, vc, ids, lens, d ** -0.5, "invariant")
-    for splits in (None, 1, 5):
-        got = A.decode_attention(q, kc, vc, ids, lens, d ** -0.5, "invariant", splits=splits)
-        assert torch.equal(got, want), splits
+    for splits, groups in ((None, None), (1, None), (5, None), (None, 2), (1, hq // hkv)):
+        got = A.decode_attention(q, kc, vc, ids, lens, d ** -0.5, "invariant", splits=splits, head_groups=groups)
+        assert torch.equal(got, want), (splits, groups)
     fast = A.decode_attention(q, kc, vc, ids, lens, d ** -0.5, "fast")
     sdpa = A.decode_attention_reference(q, kc, vc, ids, lens, d ** -0.5, "fast")
     assert (fast.float() - sdpa.float()).abs().max() < 2e-2
