@@ -39,8 +39,11 @@ exact pure PyTorch on CPU.
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
         inverse-CDF sampling, one draw per row, CUDA-graph safe; two Triton passes without top_p.
-    log_softmax_rows(logits, backend=None) -> [B, V] | LogSoftmaxRows(logits, mx, logsum)
-        torch.log_softmax(logits, -1), or (where its order is reproduced) just each row's max and log-sum.
+    sample_tokens_with_max(logits, temperature, uniform, top_p=None, backend=None) -> ([B], [B] fp32)
+        the same, and each row's max of the logits from the same read.
+    log_softmax_rows(logits, backend=None, row_max=None) -> [B, V] | LogSoftmaxRows(logits, mx, logsum)
+        torch.log_softmax(logits, -1), or (where its order is reproduced) just each row's max and log-sum;
+        a given row max saves the statistics one read of the logits.
     route(logits, top_k, norm_topk, mode, dtype=None, backend=None) -> (weights [T, k], ids [T, k])
         MoE routing (fp32 softmax, top-k, renormalisation, cast) in one pass, bitwise torch's CUDA ops.
     record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens, ...)
@@ -60,7 +63,7 @@ from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_n
                        quantize_weight_groups)
 from .attention import decode_attention, invariant_attention
 from .hp_gemm import invariant_gemm
-from .sampling import StepInputs, record_tokens, sample_tokens, step_inputs
+from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
 from .routing import route
 from .log_softmax import LogSoftmaxRows, log_softmax_rows
 from . import fused_ops
@@ -70,5 +73,5 @@ __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_sil
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
-           "sample_tokens", "record_tokens", "step_inputs", "StepInputs", "route", "log_softmax_rows",
-           "LogSoftmaxRows", "fused_ops"]
+           "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
+           "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]

@@ -58,15 +58,16 @@ def _row_max(part_max, r, S: tl.constexpr):
 
 @triton.jit
 def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
-                     TS: tl.constexpr, S: tl.constexpr):
+                     TS: tl.constexpr, MP: tl.constexpr):
     """Program (row r, part s): each of its virtual threads' sum of exp(x - max) in torch's order (the float4
     vectors, each one's four in order, then the tail), then each warp's shuffle tree; lane 0 of each of its
-    TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order)."""
+    TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order). The max: of the row's MP
+    entries of ``part_max`` (the S parts' maxima, or a given row max: MP = 1)."""
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
     t = _thread_ids(TS)
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]
-    mx = _row_max(part_max, r, S)
+    mx = _row_max(part_max, r, MP)
     acc = tl.zeros([TS], tl.float32)
     for k in range(K):
         e = _expf(tl.load(row + k * 4 * T + vec) - mx)
@@ -87,12 +88,12 @@ def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.c
 
 
 @triton.jit
-def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, S: tl.constexpr):
+def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr):
     """Row program_id(0): its max, and the log of its 32 warp sums added by the block's tree."""
     r = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, 32)
     warps = tl.load(warp_sums + r * 32 + col)
     for j in tl.static_range(5):
         warps = xor_step(warps, col, 16 >> j)
-    tl.store(mx_out + r, _row_max(part_max, r, S))
+    tl.store(mx_out + r, _row_max(part_max, r, MP))
     tl.store(logsum_out + r, _logf(element(warps, col, 0)))

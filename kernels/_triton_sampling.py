@@ -8,38 +8,39 @@ from ._triton_torch_order import element
 
 
 @triton.jit
-def _block_z(logits, stride, temp, V, BLOCK: tl.constexpr):
-    """z = logits / t of block program_id(1) of row program_id(0) (-inf past the vocabulary), and its offsets."""
+def _block_stats_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, V, NB, BLOCK: tl.constexpr,
+                        RAW_MAX: tl.constexpr):
+    """Pass 1, one program per (row, block): the block's max m of z = logits / t and its sum of exp(z - m) (0
+    for a block without mass, whose m is -inf); RAW_MAX: also the block's max of the logits themselves."""
     row = logits + tl.program_id(0).to(tl.int64) * stride
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    return tl.load(row + offs, mask=offs < V, other=float("-inf")) / tl.load(temp), offs
-
-
-@triton.jit
-def _block_stats_kernel(logits, stride, temp, block_max, block_sum, V, NB, BLOCK: tl.constexpr):
-    """Pass 1, one program per (row, block): the block's max m of z and its sum of exp(z - m) (0 for a block
-    without mass, whose m is -inf)."""
-    z, offs = _block_z(logits, stride, temp, V, BLOCK)
+    x = tl.load(row + offs, mask=offs < V, other=float("-inf"))  # -inf past the vocabulary
+    z = x / tl.load(temp)
     m = tl.max(z, axis=0)
     s = tl.sum(tl.where(offs < V, tl.exp(z - m), 0.0), axis=0)
     idx = tl.program_id(0) * NB + tl.program_id(1)
     tl.store(block_max + idx, m)
     tl.store(block_sum + idx, tl.where(m == float("-inf"), 0.0, s))
+    if RAW_MAX:
+        tl.store(block_raw_max + idx, tl.max(x, axis=0))
 
 
 @triton.jit
-def _pick_kernel(logits, stride, temp, block_max, block_sum, uniform, out, V, NB, BLOCK: tl.constexpr,
-                 NB_P2: tl.constexpr):
+def _pick_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, row_max, uniform, out, V, NB,
+                 BLOCK: tl.constexpr, NB_P2: tl.constexpr, RAW_MAX: tl.constexpr):
     """Pass 2, one program per row: the row's max M (of the block maxima), each block's sum rescaled to M
     (s exp(m - M)), the running sum before each block (a scan in a fixed order) and the total, the first
     block where the running sum passes draw x total (none can, when that product rounds up to the total:
     then the last block with mass, and its last token with mass), and inside it the token, by a cumulative
-    sum of its exp(z - M). The blocks' values are one vector: no loop over blocks, no load per block."""
+    sum of its exp(z - M). The blocks' values are one vector: no loop over blocks, no load per block.
+    RAW_MAX: also the row's max of the logits (of its blocks' maxima: exact) into ``row_max``."""
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     t = tl.load(temp)
     j = tl.arange(0, NB_P2)
     valid = j < NB
+    if RAW_MAX:
+        tl.store(row_max + r, tl.max(tl.load(block_raw_max + r * NB + j, mask=valid, other=float("-inf")), axis=0))
     bm = tl.load(block_max + r * NB + j, mask=valid, other=float("-inf"))
     mx = tl.max(bm, axis=0)
     bs = tl.where(valid, tl.load(block_sum + r * NB + j, mask=valid, other=0.0) * tl.exp(bm - mx), 0.0)

@@ -76,10 +76,12 @@ def parts_per_row(rows: int, device) -> int:
     return s
 
 
-def log_softmax_stats(logits: torch.Tensor, parts: int | None = None) -> LogSoftmaxRows:
+def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: torch.Tensor | None = None
+                      ) -> LogSoftmaxRows:
     """The Triton kernels (``_triton_log_softmax``): S = ``parts`` programs per row (default
     ``parts_per_row``) read it twice (max, then the sums), one program per row finishes; the bits do not
-    depend on S."""
+    depend on S. ``row_max`` (fp32 [B], each row's max of the logits, which is exact in any order, e.g. from
+    the sampler's pass over the same logits): one read, the max pass skipped."""
     from ._triton_log_softmax import _finish_kernel, _max_part_kernel, _sum_part_kernel
 
     b, v = logits.shape
@@ -92,13 +94,20 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None) -> LogSoft
             raise ValueError(f"parts must be a power of two in 1 .. 32, got {s}")
         ts = THREADS // s
         main = v - v % (ILP * THREADS)
-        part_max = torch.empty(b, s, device=dev, dtype=torch.float32)
         warp_sums = torch.empty(b, 32, device=dev, dtype=torch.float32)
         shape = dict(TAIL=-(-(v - main) // THREADS), T=THREADS, TS=ts, num_warps=max(1, min(8, ts // 32)))
         k = main // (ILP * THREADS)
-        _max_part_kernel[(b, s)](logits, logits.stride(0), part_max, v, k, main, **shape)
-        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, S=s, **shape)
-        _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, S=s, num_warps=1)
+        if row_max is None:
+            part_max = torch.empty(b, s, device=dev, dtype=torch.float32)
+            _max_part_kernel[(b, s)](logits, logits.stride(0), part_max, v, k, main, **shape)
+        else:
+            if row_max.shape != (b,) or row_max.dtype != torch.float32 or row_max.device != dev:
+                raise ValueError(f"row_max must be fp32 [{b}] on {dev}, got {row_max.dtype} "
+                                 f"{tuple(row_max.shape)} on {row_max.device}")
+            part_max = row_max.contiguous()
+        mp = part_max.numel() // b
+        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, MP=mp, **shape)
+        _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, MP=mp, num_warps=1)
     return LogSoftmaxRows(logits, mx, logsum)
 
 
@@ -118,9 +127,10 @@ def _probe_ok(v: int, device) -> bool:
     return _probe.proven(("log_softmax_rows", v), device, probe)
 
 
-def log_softmax_rows(logits: torch.Tensor, backend: str | None = None):
-    """See the module docstring: the statistics on CUDA where covered and probed, else the full log-softmax."""
+def log_softmax_rows(logits: torch.Tensor, backend: str | None = None, row_max: torch.Tensor | None = None):
+    """See the module docstring: the statistics on CUDA where covered and probed, else the full log-softmax.
+    ``row_max``: each row's max of the logits, if known (``log_softmax_stats``)."""
     if (logits.device.type == "cuda" and _backend.resolve(backend, logits.device) == "triton"
             and covered(logits) and _probe_ok(logits.shape[1], logits.device)):
-        return log_softmax_stats(logits)
+        return log_softmax_stats(logits, row_max=row_max)
     return torch.log_softmax(logits, dim=-1)

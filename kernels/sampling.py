@@ -67,14 +67,23 @@ def sample_tokens_reference(logits: torch.Tensor, temperature, uniform: torch.Te
 def sample_tokens(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None,
                   backend: str | None = None) -> torch.Tensor:
     """See the module docstring."""
+    return sample_tokens_with_max(logits, temperature, uniform, top_p, backend, row_max=False)[0]
+
+
+def sample_tokens_with_max(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None,
+                           backend: str | None = None, row_max: bool = True):
+    """``sample_tokens`` and (``row_max``) each row's max of the logits, fp32 [B]: from the kernels' one read
+    of the logits on CUDA, else ``amax``; exact either way (a max does not round). The log-softmax statistics
+    of the same logits take it instead of a pass of their own (``log_softmax_rows(..., row_max=)``)."""
     if logits.dim() != 2 or uniform.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [B, V] and uniform [B]; got {tuple(logits.shape)}, {tuple(uniform.shape)}")
     if top_p is not None or _backend.resolve(backend, logits.device) != "triton":
-        return sample_tokens_reference(logits, temperature, uniform, top_p)
-    return _triton_sample(logits, temperature, uniform)
+        tok = sample_tokens_reference(logits, temperature, uniform, top_p)
+        return tok, logits.float().amax(-1) if row_max and logits.shape[1] else None
+    return _triton_sample(logits, temperature, uniform, row_max)
 
 
-def _triton_sample(logits, temperature, uniform):
+def _triton_sample(logits, temperature, uniform, row_max: bool = False):
     from ._triton_sampling import _block_stats_kernel, _pick_kernel
 
     b, v = logits.shape
@@ -85,15 +94,18 @@ def _triton_sample(logits, temperature, uniform):
     t = t.to(device=x.device, dtype=torch.float32).reshape(1)
     u = uniform.to(torch.float32).contiguous()
     out = torch.empty(b, dtype=torch.int64, device=x.device)
+    mx = torch.empty(b, dtype=torch.float32, device=x.device) if row_max else None
     if b:
         nb = -(-v // BLOCK)
         nb_p2 = max(2, 1 << (nb - 1).bit_length())
         block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
         block_sum = torch.empty_like(block_max)
-        _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, v, nb, BLOCK=BLOCK, num_warps=8)
-        _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, u, out, v, nb, BLOCK=BLOCK, NB_P2=nb_p2,
-                           num_warps=8)
-    return out
+        raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder when not written
+        _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, raw, v, nb, BLOCK=BLOCK,
+                                     RAW_MAX=row_max, num_warps=8)
+        _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, raw, mx if row_max else out, u, out, v, nb,
+                           BLOCK=BLOCK, NB_P2=nb_p2, RAW_MAX=row_max, num_warps=8)
+    return out, mx
 
 
 def record_tokens_reference(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens,

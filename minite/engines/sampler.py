@@ -256,15 +256,17 @@ class Sampler:
         st = self._state
         lf = logits.float()
         forced, draw = cells if cells is not None else (None, None)
+        row_max = None  # each row's max of the logits, where sampling read them anyway
         if mode == "score":
             tok = st.tokens[slots, nxt] if forced is None else forced
         elif mode == "greedy":
             tok = lf.argmax(dim=-1)
         else:
-            tok = ops.sample_tokens(lf, st.temperature, st.top_p if mode == "top_p" else None,
-                                    st.uniform[slots, nxt] if draw is None else draw)
+            tok, row_max = ops.sample_tokens_with_max(lf, st.temperature, st.top_p if mode == "top_p" else None,
+                                                      st.uniform[slots, nxt] if draw is None else draw)
         # the trainer's log-softmax bits, as torch's [B, V] result or (where reproduced) its rows' statistics
-        st.emit(tok, kernels.log_softmax_rows(lf), slots, nxt, write_tokens=mode != "score", advance=advance)
+        st.emit(tok, kernels.log_softmax_rows(lf, row_max=row_max), slots, nxt, write_tokens=mode != "score",
+                advance=advance)
         return tok
 
     def _decode_step(self, b: int, mode: str, capture=None) -> None:

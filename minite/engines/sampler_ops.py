@@ -304,3 +304,8 @@ def sample_tokens(logits: torch.Tensor, temperature, top_p, uniform: torch.Tenso
     back to the host (``minite.kernels.sample_tokens``: a Triton kernel on CUDA without top_p, else the
     PyTorch reference). ``temperature`` (> 0) and ``top_p`` (None = 1): numbers or 0-dim device tensors."""
     return kernels.sample_tokens(logits, temperature, uniform, top_p)
+
+
+def sample_tokens_with_max(logits: torch.Tensor, temperature, top_p, uniform: torch.Tensor):
+    """``sample_tokens`` and each row's max of the logits (fp32 [B], exact) from the same read."""
+    return kernels.sample_tokens_with_max(logits, temperature, uniform, top_p)
