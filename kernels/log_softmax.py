@@ -7,7 +7,8 @@
 
 Why. The decode step needs the log-prob of one token per row, and the trainer's log-softmax (torch's, over
 the same fp32 logits) must give the same bits. torch writes the whole [B, V] result (a 151,936-id vocabulary
-at batch 64: 39 MB written and read back; 47 us of an H200 decode step); the statistics need two reads.
+at batch 64: 39 MB written and read back; 47 us of an H200 decode step); the statistics need two reads, one
+where the sampler already took each row's max from its own read (``sampling.sample_tokens_with_max``).
 
 torch's order (``cunn_SoftMaxForward``, rows of V >= SMEM_MIN fp32 logits, 16-byte aligned): a block of T =
 1024 threads per row; thread t takes the float4 vectors t, t + T, .. of the row's first V - V % 4T elements
