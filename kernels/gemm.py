@@ -88,25 +88,36 @@ _verified: dict = {}
 
 
 DECODE_SCHEDULERS = 4 * 132  # warp schedulers of the H200: one warp chain each is what a dense decode GEMM needs
+DECODE_WAVE = 2 * DECODE_SCHEDULERS  # chains resident at once in 8-warp CTAs (one per SM at their registers)
 
 
 def cuda_config(m: int, n: int = 0) -> dict:
     """CUDA decode kernel config for M token rows (of an [N, K] weight, when N is given). One chain over K: one
     n8 token tile per CTA up to 16 rows (M 9..16: two CTAs share a weight slice through L2, cheaper than a
     second mma chain per warp), 4 warps x 16 weight rows, an 8-step cp.async ring (5 steps ahead of the
-    decode), token fragments for all of K when they fit (SEG 0). Up to 32 rows: two token tiles per CTA.
-    Above 32 rows with N known: 8 warps, and the most token tiles per CTA (4, 2, 1) that still leave a warp
-    chain (16 weight rows x a CTA's token tiles) for each of the GPU's warp schedulers; with 4 tiles a 4-step
-    ring. Each weight step is decoded once per chain, so fewer, wider chains decode less, down to where
-    schedulers would idle. H200 sweep at M = 64 (NT 1 / 2 / 4 x W 2 / 4 / 8 x D 4 / 8 x RG 1 / 2, CUDA-graph
-    medians, weights rotated past L2, every variant bitwise equal), against NT 2, 4 warps: q/k/v 5120x2048
-    22.4 -> 17.8 us (NT 4: 640 chains), o 2048x4096 17.4 -> 16.1 us (NT 1: 1024; NT 2 would leave 512, 17.4 /
-    20.5 us at 4 / 8 warps). K chunks: 8 warps, 4 (M <= 16) or 2 chunk lanes per 16 weight rows."""
+    decode), token fragments for all of K when they fit (SEG 0). Up to 32 rows without N: two token tiles.
+    Above 16 rows with N known, by the chains (a warp's 16 weight rows x a CTA's NT token tiles, one serial
+    mma chain over K each): the fewest token tiles per CTA (1, 2, 4) whose chains fit one resident wave of
+    8-warp CTAs (``DECODE_WAVE``), else 4; 8 warps, or 4 where the chains are no more than the GPU's warp
+    schedulers (then 4-warp CTAs spread over the SMs instead of filling half of them); with 4 tiles a 4-step
+    ring. A second wave costs a whole chain's time, padded token tiles cost mma and decode, and fewer tiles
+    per chain decode each weight step more often: this picks the measured best at every point below.
+    H200 sweeps (CUDA-graph medians of three interleaved rounds, weights rotated past L2, every variant bitwise
+    equal to the default), us, former config -> this one:
+    - M = 64 (NT 1 / 2 / 4 x W 2 / 4 / 8 x D 4 / 8 x RG 1 / 2): q/k/v 5120x2048 22.4 -> 17.8 (NT 4, 640
+      chains; NT 2's 1280 chains take two waves: 23.2), o 2048x4096 17.4 -> 16.1 (NT 1: 1024 chains);
+    - M = 48 / 40 / 32 / 24 (NT x W 2 / 4 / 8 x D): q/k/v 17.0 / 17.0 / 13.8 / 13.4 -> 12.2 / 12.1 / 11.8 /
+      10.2 (NT 2 W 8, NT 2 W 8, NT 2 W 8, NT 1 W 8; NT 1 at M = 40, 1600 chains: 18.3); o 15.2 / 15.0 / 16.2 /
+      16.5 -> 15.2 / 15.0 / 11.8 / 11.7 (NT 1: W 8, W 8, W 4 on 512 chains (W 8: 15.0), W 4).
+    K chunks: 8 warps, 4 (M <= 16) or 2 chunk lanes per 16 weight rows."""
     if k_chunk():
         return dict(variant="cuda", NT=1 if m <= 16 else 2, W=8, D=8, SEG=0, C=4 if m <= 16 else 2)
-    if m > 32 and n:
-        nt = next((t for t in (4, 2) if n // 16 * -(-m // (8 * t)) >= DECODE_SCHEDULERS), 1)
-        return dict(variant="cuda", NT=nt, W=8, D=4 if nt == 4 else 8, SEG=0)
+    if m > 16 and n:
+        def chains(t):
+            return n // 16 * -(-m // (8 * t))
+        nt = next((t for t in (1, 2) if chains(t) <= DECODE_WAVE), 4)
+        return dict(variant="cuda", NT=nt, W=4 if chains(nt) <= DECODE_SCHEDULERS else 8, D=4 if nt == 4 else 8,
+                    SEG=0)
     return dict(variant="cuda", NT=1 if m <= 16 else 2, W=4, D=8, SEG=0)
 
 

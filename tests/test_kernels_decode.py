@@ -229,10 +229,14 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.cuda_config(1)
     assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 1, 1, 2, 2]
     assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64, 4096)
-    # above 32 rows: the widest token tiles that leave a chain per scheduler (q/k/v NT 4, o NT 1 at M = 64)
+    # above 16 rows with N: the fewest token tiles whose chains fit one resident wave of 8-warp CTAs, 4 warps
+    # where the chains are no more than the schedulers (the measured bests of the q/k/v and o sweeps)
+    def picks(n, ms):
+        return [(c["NT"], c["W"], c["D"]) for c in (G.cuda_config(m, n) for m in ms)]
+    assert picks(5120, (24, 32, 48, 64)) == [(1, 8, 8), (2, 8, 8), (2, 8, 8), (4, 8, 4)]
+    assert picks(2048, (24, 32, 40, 64)) == [(1, 4, 8), (1, 4, 8), (1, 8, 8), (1, 8, 8)]
     assert G.cuda_config(64, 5120) == dict(variant="cuda", NT=4, W=8, D=4, SEG=0)
-    assert G.cuda_config(64, 2048) == dict(variant="cuda", NT=1, W=8, D=8, SEG=0)
-    assert G.cuda_config(64, 16384)["NT"] == 4 and G.cuda_config(32, 5120) == G.cuda_config(32)
+    assert G.cuda_config(64, 16384)["NT"] == 4 and G.cuda_config(16, 5120) == G.cuda_config(16)
     assert G._pick_config(G.CUDA_MAX_M + 1, 4096, dev, cuda_ok=True)["variant"] != "cuda"
     assert G._pick_config(1, 4096, dev, cuda_ok=False)["variant"] == "small"
     monkeypatch.setattr(G, "_proven", lambda c, d: c.get("variant") != "cuda")
