@@ -64,9 +64,13 @@ def _halves(bits: torch.Tensor) -> torch.Tensor:
 
 
 def scale_pairs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Four E4M3 bytes -> fp16 {s0, s2}, {s1, s3}: bits (e & 0x7F) << 7 (= s * 2^-8), times 256 in fp16."""
+    """Four E4M3 bytes -> fp16 {s0, s1}, {s2, s3} (the 16-bit halves of the word, as the kernel converts them):
+    bits (e & 0x7F) << 7 (= s * 2^-8), times 256 in fp16."""
     k256 = torch.tensor(256.0, dtype=torch.float16)
-    return _halves((w & 0x007F007F) << 7) * k256, _halves((w & 0x7F007F00) >> 1) * k256
+
+    def pair(b0, b1):
+        return _halves(((b0 & 0x7F) << 7) | ((b1 & 0x7F) << 23)) * k256
+    return pair(w, w >> 8), pair(w >> 16, w >> 24)
 
 
 def scaled(pair_bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -102,14 +106,14 @@ def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step:
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         for r in range(2):
-            se, so = zip(*(scale_pairs(_u32(sc[g + 8 * r], 4 * wsel)) for wsel in range(2)), strict=True)
+            pairs = [p for wsel in range(2) for p in scale_pairs(_u32(sc[g + 8 * r], 4 * wsel))]
             for pc in range(4):
                 if frag:
                     x = _u32(chunk, 512 * (pc >> 1) + 16 * lane + 4 * (2 * (pc & 1) + r))
                 else:
                     row = slot[g + 8 * r]
                     x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
-                s_a, s_b = se[pc >> 1][pc & 1], so[pc >> 1][pc & 1]  # blocks 2 pc, 2 pc + 1
+                s_a, s_b = pairs[pc][0], pairs[pc][1]  # blocks 2 pc, 2 pc + 1
                 evens, odds = (frag_evens, frag_odds) if frag else (low_nibbles, high_nibbles)
                 for half, fn in ((0, evens), (1, odds)):
                     h = fn(x)
@@ -135,8 +139,8 @@ def token_fragments(codes: torch.Tensor, scales: torch.Tensor, m0: int, m_end: i
                 sc = _u16(scales.view(torch.uint8)[row], step * 8 + 2 * piece)
             else:
                 chunk, sc = torch.zeros(16, dtype=torch.uint8), torch.tensor(0)
-            se, so = scale_pairs(sc)
-            s_a, s_b = se[0], so[0]  # blocks 2 piece, 2 piece + 1
+            pair, _ = scale_pairs(sc)
+            s_a, s_b = pair[0], pair[1]  # blocks 2 piece, 2 piece + 1
             j, g = m >> 3, m & 7
             for t in range(4):
                 x = join16(_u16(chunk, 2 * t), _u16(chunk, 8 + 2 * t))

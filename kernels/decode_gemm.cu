@@ -128,15 +128,15 @@ __device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0
 // the word a lane decodes: the code bytes of positions 2t, 2t+1 (lo16) and 2t+8, 2t+9 (hi16) of a piece
 __device__ __forceinline__ uint32_t join16(uint32_t lo16, uint32_t hi16) { return __byte_perm(lo16, hi16, 0x5410); }
 
-// four E4M3 scale bytes -> fp16x2 {s0, s2} and {s1, s3}, exact (sm_89+ converts e4m3 pairs in one instruction;
-// a NaN scale byte stays NaN, where the Triton path's bit trick (e << 7) * 256 gives 480 for 0x7F)
-__device__ __forceinline__ void scale_pairs(uint32_t w, __half2& even, __half2& odd) {
-  uint32_t e, o;
-  const uint32_t ew = __byte_perm(w, 0u, 0x0020), ow = __byte_perm(w, 0u, 0x0031);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(e) : "h"(static_cast<unsigned short>(ew)));
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(o) : "h"(static_cast<unsigned short>(ow)));
-  even = *reinterpret_cast<__half2*>(&e);
-  odd = *reinterpret_cast<__half2*>(&o);
+// four E4M3 scale bytes -> fp16x2 {s0, s1} and {s2, s3}, exact (sm_89+ converts an e4m3 pair in one
+// instruction, which reads either 16-bit half of its register: no byte moves; a NaN scale byte stays NaN, where
+// the Triton path's bit trick (e << 7) * 256 gives 480 for 0x7F)
+__device__ __forceinline__ void scale_pairs(uint32_t w, __half2& lo, __half2& hi) {
+  uint32_t l, h;
+  asm("{.reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(l), "=r"(h) : "r"(w));
+  lo = *reinterpret_cast<__half2*>(&l);
+  hi = *reinterpret_cast<__half2*>(&h);
 }
 
 __device__ __forceinline__ uint32_t scaled(uint32_t pair_bits, __half s) {  // exact: fp16 product of exact values
@@ -190,20 +190,18 @@ __device__ __forceinline__ void gather_step(const uint8_t* slot, int g, int t, i
 // A fragments of one step: [piece 0..3 evens, 4..7 odds][mma register]
 template <bool FRAG>
 __device__ __forceinline__ void decode_step(const StepWords& w, uint32_t (&a)[8][4]) {
-  __half2 se[2][2], so[2][2];  // [row g | g + 8][scale word x | y]: {blocks 0, 2 | 4, 6}, {1, 3 | 5, 7}
+  __half2 sc[2][4];  // [row g | g + 8][blocks {0, 1}, {2, 3}, {4, 5}, {6, 7}]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    scale_pairs(w.sc[r].x, se[r][0], so[r][0]);
-    scale_pairs(w.sc[r].y, se[r][1], so[r][1]);
+    scale_pairs(w.sc[r].x, sc[r][0], sc[r][1]);
+    scale_pairs(w.sc[r].y, sc[r][2], sc[r][3]);
   }
 #pragma unroll
   for (int pc = 0; pc < 4; ++pc) {
-    // scales of blocks 2pc (positions 2t..) and 2pc + 1 (positions 2t+8..): byte pc & 1 of the pairs
-    const int wsel = pc >> 1;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const __half s_a = (pc & 1) ? __high2half(se[r][wsel]) : __low2half(se[r][wsel]);
-      const __half s_b = (pc & 1) ? __high2half(so[r][wsel]) : __low2half(so[r][wsel]);
+      // scales of blocks 2pc (positions 2t..) and 2pc + 1 (positions 2t+8..): one pair
+      const __half s_a = __low2half(sc[r][pc]), s_b = __high2half(sc[r][pc]);
       const uint32_t lo = FRAG ? frag_evens(w.x[pc][r]) : low_nibbles(w.x[pc][r]);
       const uint32_t hi = FRAG ? frag_odds(w.x[pc][r]) : high_nibbles(w.x[pc][r]);
       a[pc][r] = scaled(pair01(lo), s_a);          // row g + 8 r, positions 2t, 2t+1
@@ -253,9 +251,9 @@ __device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, 
   const int m = (unit >> 2) % (8 * NT);
   const int sl = (unit >> 2) / (8 * NT);
   const int j = m >> 3, g = m & 7;
-  __half2 se, so;
-  scale_pairs(u.sc, se, so);  // u.sc: blocks 2p (byte 0), 2p+1 (byte 1)
-  const __half s_a = __low2half(se), s_b = __low2half(so);
+  __half2 pair, unused;
+  scale_pairs(u.sc, pair, unused);  // u.sc: blocks 2p (byte 0), 2p+1 (byte 1)
+  const __half s_a = __low2half(pair), s_b = __high2half(pair);
   const uint32_t w[4] = {u.codes.x, u.codes.y, u.codes.z, u.codes.w};
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
