@@ -453,7 +453,8 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
       }
 
     // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
-    // past my last step the copies read nothing (source size 0) from step 0. Then the cursor moves to my next
+    // past my last step the copies read nothing (source size 0; the cursor runs on beyond the weight, never
+    // dereferenced, as CUTLASS's zero-fill copies do). Then the cursor moves to my next
     // step: the next K step, my next chunk, or K step 0 of my next row group (running pointers: cur_c / cur_s
     // at K step si of row group ri, rg_c / rg_s at its step 0). STREAM: my row groups are consecutive, so
     // the codes of my steps follow each other in memory and only the scales' pointer jumps after step K.
@@ -465,8 +466,8 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     auto issue_next = [&]() {
       const bool live = ji < J;
       const uint32_t n16 = live ? 16 : 0, n4 = live ? 4 : 0;
-      const uint8_t* sc = live ? cur_c : src_c;
-      const uint8_t* ss = live ? cur_s : src_s;
+      const uint8_t* sc = cur_c;
+      const uint8_t* ss = cur_s;
       const uint32_t slot = ring_s + (ji & (D - 1)) * kSlot;
       asm volatile(
           "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
