@@ -23,14 +23,17 @@ def high_nibbles(x: torch.Tensor) -> torch.Tensor:
     return (x & 0x80808080) | ((x >> 3) & 0x0E0E0E0E)
 
 
-def frag_evens(y: torch.Tensor) -> torch.Tensor:
-    """``low_nibbles`` of a word from its fragment-order form (``weights.fragment_order``: evens in place)."""
-    return y & 0x8E8E8E8E
+PAIR_BITS = 0x8E008E00  # sign << 15 | mag << 9 in both 16-bit halves: an fp16x2 of e2m1 * 2^-14 values
 
 
-def frag_odds(y: torch.Tensor) -> torch.Tensor:
-    """``high_nibbles`` of a word from its fragment-order form (odds stored as sign | mag << 4)."""
-    return ((y >> 3) & 0x0E0E0E0E) | ((y << 7) & 0x80808080)
+def frag_pairs(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four fp16x2 pairs (evens {B0, B1}, evens {B2, B3}, odds {B0, B1}, odds {B2, B3}: what ``pair01`` /
+    ``pair23`` of ``low_nibbles`` / ``high_nibbles`` give for the row-major word) of a fragment-order word
+    (``weights.fragment_order``), as the FRAG kernel forms them: a mask; a shift and a mask; and for each odd
+    pair its bits masked, times 2^9 + 2^1 (2^6 + 2^2), masked (the two shifted copies share no bit)."""
+    m = 0xFFFFFFFF
+    return (y & PAIR_BITS, (y << 3) & PAIR_BITS, (((y & 0x40074007) * 0x202) & m) & PAIR_BITS,
+            (((y & 0x20382038) * 0x44) & m) & PAIR_BITS)
 
 
 def byte_perm(x: torch.Tensor, y, sel: int) -> torch.Tensor:
@@ -95,7 +98,7 @@ def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step:
     joins the u16s at 16 pc + 2t and 16 pc + 8 + 2t of rows g and g + 8 into one word per piece, and reads
     the rows' scale bytes as two words. ``frag``: ``codes`` in fragment order (``weights.fragment_order``),
     the slot being the step's 1 KB, from which ``gather_frag`` reads word (pc, r) at 512 (pc >> 1) + 16 lane
-    + 4 (2 (pc & 1) + r), decoded by ``frag_evens`` / ``frag_odds``."""
+    + 4 (2 (pc & 1) + r), decoded by ``frag_pairs``."""
     kh = codes.shape[-1]
     if frag:
         chunk = codes.reshape(-1)[row0 * kh + step * 16 * ROW_STEP_BYTES:][:16 * ROW_STEP_BYTES]
@@ -114,11 +117,13 @@ def weight_fragments(codes: torch.Tensor, scales: torch.Tensor, row0: int, step:
                     row = slot[g + 8 * r]
                     x = join16(_u16(row, 16 * pc + 2 * t), _u16(row, 16 * pc + 8 + 2 * t))
                 s_a, s_b = pairs[pc][0], pairs[pc][1]  # blocks 2 pc, 2 pc + 1
-                evens, odds = (frag_evens, frag_odds) if frag else (low_nibbles, high_nibbles)
-                for half, fn in ((0, evens), (1, odds)):
-                    h = fn(x)
-                    out[half * 4 + pc, lane, r] = scaled(pair01(h), s_a)
-                    out[half * 4 + pc, lane, 2 + r] = scaled(pair23(h), s_b)
+                if frag:
+                    e01, e23, o01, o23 = frag_pairs(x)
+                else:
+                    lo, hi = low_nibbles(x), high_nibbles(x)
+                    e01, e23, o01, o23 = pair01(lo), pair23(lo), pair01(hi), pair23(hi)
+                out[pc, lane, r], out[pc, lane, 2 + r] = scaled(e01, s_a), scaled(e23, s_b)
+                out[4 + pc, lane, r], out[4 + pc, lane, 2 + r] = scaled(o01, s_a), scaled(o23, s_b)
     return out
 
 

@@ -86,9 +86,12 @@ def fragment_order(codes: torch.Tensor) -> torch.Tensor:
     codes (``decode_gemm.cu``, FRAG), same shape and size: per 16-row group and 128-wide K step the 1 KB a
     warp reads, as [half][lane 4g + t][word 2 (pc & 1) + r][4 bytes], word (pc, r) holding the code bytes
     16 pc + 2t, +1 and 16 pc + 8 + 2t, +1 of row g + 8 r (pc = 2 half + (pc & 1)): the words a lane gathers,
-    in the order it uses them. Each byte's even (low-nibble) element is stored as its fp16 high byte
-    (sign << 7 | mag << 1) and its odd one as sign | mag << 4, so one mask and four shift / mask operations
-    per word give the decoded high bytes (two fewer operations than from e2m1 nibbles)."""
+    in the order it uses them. Each word's eight elements are stored for the kernel's four fp16x2 pairs (evens
+    of bytes 0, 1 / 2, 3; odds of bytes 0, 1 / 2, 3; a pair's first element in the low 16 bits, its second in the
+    high ones, each as sign and 3-bit magnitude): per half, mag << 9 | sign << 15 (evens 0, 1: one mask leaves
+    the fp16 bits of e2m1 * 2^-14), mag << 6 | sign << 12 (evens 2, 3: a shift by 3 and the mask), mag | sign
+    << 14 (odds 0, 1: masked, times 2^9 + 2^1, masked) and mag << 3 | sign << 13 (odds 2, 3: times 2^6 + 2^2).
+    Nine integer operations per word, six of them on the ALU pipe (``_decode_twin.frag_pairs``)."""
     *lead, n, kh = codes.shape
     if n % 16 or kh % 64:
         raise ValueError(f"fragment_order: codes [..., N, K/2] need N % 16 == 0 and K % 128 == 0, "
@@ -97,8 +100,15 @@ def fragment_order(codes: torch.Tensor) -> torch.Tensor:
     v = codes.reshape(*lead, n // 16, 2, 8, kh // 64, 2, 2, 2, 4, 2)
     d = len(lead)
     order = [*range(d), d, d + 3, d + 4, d + 2, d + 7, d + 5, d + 1, d + 6, d + 8]
-    b = v.permute(order).contiguous().reshape(codes.shape)
-    return ((b & 0x08) << 4) | ((b & 0x07) << 1) | ((b & 0x80) >> 7) | (b & 0x70)
+    b = v.permute(order).contiguous().reshape(*codes.shape[:-1], kh // 4, 4)
+    mag, sign = b & 0x77, (b >> 3) & 0x11  # per byte: even element in the low nibble, odd in the high one
+    out = torch.empty_like(b)
+    for h in (0, 1):  # the pairs' element h: the evens / odds of bytes h and 2 + h -> word bytes 2h, 2h + 1
+        m01, m23, s01, s23 = mag[..., h], mag[..., 2 + h], sign[..., h], sign[..., 2 + h]
+        out[..., 2 * h] = (m01 >> 4) | (m23 >> 4) << 3 | (m23 & 3) << 6
+        out[..., 2 * h + 1] = ((m23 & 4) >> 2 | (m01 & 7) << 1 | (s23 & 1) << 4 | (s23 >> 4) << 5
+                               | (s01 >> 4) << 6 | (s01 & 1) << 7)
+    return out.reshape(codes.shape)
 
 
 def decode_layout(w, backend: str | None = None):

@@ -31,18 +31,41 @@ def test_weight_fragments_are_the_triton_k_order(row0, step):
 def test_fragment_order_gives_the_lanes_the_same_fragments(row0, step):
     """Codes in fragment order (``decode_layout``'s copy), read as ``gather_frag`` reads a ring slot and decoded
     as the FRAG kernel decodes them, give every lane the fragments the row-major gather gives it: the same fp16
-    bits. Same size: the bytes are a permutation of re-encoded code bytes."""
+    bits. Same size, and the same set bits (each element's four bits moved, none made or lost)."""
     w = _q(48, 384, seed=4)
     frag = fragment_order(w.codes)
     want = _decode_twin.weight_fragments(w.codes, w.scales, row0, step)
     got = _decode_twin.weight_fragments(frag, w.scales, row0, step, frag=True)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    recoded = ((w.codes & 0x08) << 4) | ((w.codes & 0x07) << 1) | ((w.codes & 0x80) >> 7) | (w.codes & 0x70)
-    assert torch.equal(frag.flatten().sort().values, recoded.flatten().sort().values)
+    assert frag.shape == w.codes.shape and frag.dtype == torch.uint8
+
+    def ones(b):
+        return sum(int(((b >> i) & 1).sum()) for i in range(8))
+    assert ones(frag) == ones(w.codes)
     ex = stack_experts([w, w])
     assert decode_layout(ex).frag is None  # CPU: no CUDA decode kernel, no second copy
     with pytest.raises(ValueError, match="fragment_order"):
         fragment_order(w.codes[:40])
+
+
+def test_fragment_order_pairs_decode_every_word():
+    """Every word of code bytes, stored as ``fragment_order``'s docstring says (per 16-bit half h: the evens of
+    bytes h / 2 + h at mag << 9 | sign << 15 / mag << 6 | sign << 12, the odds at mag | sign << 14 / mag << 3 |
+    sign << 13) and decoded by ``frag_pairs`` (the FRAG kernel's masks and multiplies), gives the fp16x2 bits of
+    the row-major decode (``pair01`` / ``pair23`` of ``low_nibbles`` / ``high_nibbles``): all 2^16 values of
+    bytes 0, 1, with bytes 2, 3 running through them in reverse."""
+    v = torch.arange(2 ** 16, dtype=torch.int64)
+    x = v | v.flip(0) << 16
+    byte = [(x >> (8 * i)) & 0xFF for i in range(4)]
+
+    def half(h):
+        e01, e23, o01, o23 = byte[h] & 15, byte[2 + h] & 15, byte[h] >> 4, byte[2 + h] >> 4
+        return ((e01 & 7) << 9 | (e01 >> 3) << 15 | (e23 & 7) << 6 | (e23 >> 3) << 12
+                | (o01 & 7) | (o01 >> 3) << 14 | (o23 & 7) << 3 | (o23 >> 3) << 13)
+    lo, hi = _decode_twin.low_nibbles(x), _decode_twin.high_nibbles(x)
+    want = (_decode_twin.pair01(lo), _decode_twin.pair23(lo), _decode_twin.pair01(hi), _decode_twin.pair23(hi))
+    for got, expect in zip(_decode_twin.frag_pairs(half(0) | half(1) << 16), want, strict=True):
+        assert torch.equal(got, expect)
 
 
 def test_sm90_compile_finds_the_main_loop_in_sass():
