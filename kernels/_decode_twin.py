@@ -31,9 +31,8 @@ def frag_pairs(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ``pair23`` of ``low_nibbles`` / ``high_nibbles`` give for the row-major word) of a fragment-order word
     (``weights.fragment_order``), as the FRAG kernel forms them: a mask; a shift and a mask; and for each odd
     pair its bits masked, times 2^9 + 2^1 (2^6 + 2^2), masked (the two shifted copies share no bit)."""
-    m = 0xFFFFFFFF
-    return (y & PAIR_BITS, (y << 3) & PAIR_BITS, (((y & 0x40074007) * 0x202) & m) & PAIR_BITS,
-            (((y & 0x20382038) * 0x44) & m) & PAIR_BITS)
+    return (y & PAIR_BITS, (y << 3) & PAIR_BITS, ((y & 0x40074007) * 0x202) & PAIR_BITS,
+            ((y & 0x20382038) * 0x44) & PAIR_BITS)
 
 
 def byte_perm(x: torch.Tensor, y, sel: int) -> torch.Tensor:

@@ -117,6 +117,9 @@ __device__ __forceinline__ uint32_t low_nibbles(uint32_t x) {   // high bytes of
 __device__ __forceinline__ uint32_t high_nibbles(uint32_t x) {  // high bytes of the four odd-K elements
   return (x & 0x80808080u) | ((x >> 3) & 0x0E0E0E0Eu);
 }
+// fp16x2 {B0, B1} / {B2, B3} of such high bytes
+__device__ __forceinline__ uint32_t pair01(uint32_t h) { return __byte_perm(h, 0u, 0x1404); }
+__device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0u, 0x3424); }
 // A fragment-order word (``weights.fragment_order``) holds the same eight elements with each fp16x2 pair's bits
 // where a mask, a shift and a mask, or a mask, a multiply and a mask leave them: per 16-bit half (half 0 the
 // pair's first element, half 1 its second), mag << 9 | sign << 15 of the evens {B0, B1} (in place), mag << 6 |
@@ -130,9 +133,6 @@ __device__ __forceinline__ uint32_t frag_evens01(uint32_t y) { return y & kPairB
 __device__ __forceinline__ uint32_t frag_evens23(uint32_t y) { return (y << 3) & kPairBits; }
 __device__ __forceinline__ uint32_t frag_odds01(uint32_t y) { return ((y & 0x40074007u) * 0x202u) & kPairBits; }
 __device__ __forceinline__ uint32_t frag_odds23(uint32_t y) { return ((y & 0x20382038u) * 0x44u) & kPairBits; }
-// fp16x2 {B0, B1} / {B2, B3} of such high bytes
-__device__ __forceinline__ uint32_t pair01(uint32_t h) { return __byte_perm(h, 0u, 0x1404); }
-__device__ __forceinline__ uint32_t pair23(uint32_t h) { return __byte_perm(h, 0u, 0x3424); }
 // the word a lane decodes: the code bytes of positions 2t, 2t+1 (lo16) and 2t+8, 2t+9 (hi16) of a piece
 __device__ __forceinline__ uint32_t join16(uint32_t lo16, uint32_t hi16) { return __byte_perm(lo16, hi16, 0x5410); }
 

@@ -100,10 +100,10 @@ def _triton_sample(logits, temperature, uniform, row_max: bool = False):
         nb_p2 = max(2, 1 << (nb - 1).bit_length())
         block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
         block_sum = torch.empty_like(block_max)
-        raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder when not written
+        raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder (and row_max's) when not written
         _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, raw, v, nb, BLOCK=BLOCK,
                                      RAW_MAX=row_max, num_warps=8)
-        _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, raw, mx if row_max else out, u, out, v, nb,
+        _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, raw, mx if row_max else raw, u, out, v, nb,
                            BLOCK=BLOCK, NB_P2=nb_p2, RAW_MAX=row_max, num_warps=8)
     return out, mx
 
