@@ -326,6 +326,7 @@ GROUPED_RESIDENT_CTAS = 264  # 4-warp decode CTAs resident at once on the H200 (
 GROUPED_LISTED_CTAS = 528  # 4 per SM listed, 3 resident (the 168-register row-group build); the others start as
                            # the first ones finish, so the tiles spread more evenly than over 396 resident CTAs
 GROUPED_WAVE_CTAS = 396  # one wave of that build: 3 resident CTAs x 132 SMs
+GROUPED_MIN_PAIRS = 132  # (tile, row block) pairs at RG 2 below which the rows are too few for row groups
 
 
 def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
@@ -346,6 +347,13 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     interleaved rounds), us: down RG 8 -> 11 34.8 -> 34.1 / 46.5 -> 44.5 / 48.1 -> 44.6 / 49.5 -> 44.7 (RG 16
     45.8-46.4 above 16 tokens, RG 10: four blocks, 54-62); gate_up stays at RG 8 (74.5-75.8 against RG 12's
     75.9-76.6); CTAS changed nothing.
+    Below that (up to 4 rows per expert and 16 steps), RG halves from 8 while the pairs at half of it still fit
+    one wave: fewer chains per warp as long as no CTA waits for a second wave. Where RG 2 leaves fewer pairs than
+    SMs (GROUPED_MIN_PAIRS), RG 1: the configs below. H200 sweep at 1 / 2 / 4 / 8 / 12 tokens (RG 2, 4, 6, 8,
+    11, 16 x CTAS 264 / 528, every variant bitwise equal; CUDA-graph medians of five interleaved rounds), us,
+    former rule -> this one: down 2048x768 14.6 -> 10.6 (RG 2) / 19.2 -> 14.9 (RG 4) / 28.5 -> 23.6 (RG 8) at
+    2 / 4 / 8 tokens, gate_up 1536x2048 22.0 -> 17.7 (RG 2) at 2 tokens; the other points kept their config
+    and were the fastest measured (1 token: 12.6 and 8.7 against RG 2's 13.6 and 9.1).
     At RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile is over before a
     deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not apply (one row group
     per tile).
@@ -363,8 +371,14 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
         return -(-groups // (4 * rg))
 
     rg = 8 if three else 4
-    while rg > 1 and tiles * row_blocks(rg) < GROUPED_RESIDENT_CTAS:
-        rg //= 2
+    if three and m <= 4 * e:  # decode: RG halves while half of it still fits one wave
+        while rg > 2 and tiles * row_blocks(rg // 2) <= GROUPED_WAVE_CTAS:
+            rg //= 2
+        if rg == 2 and tiles * row_blocks(2) < GROUPED_MIN_PAIRS:
+            rg = 1
+    else:
+        while rg > 1 and tiles * row_blocks(rg) < GROUPED_RESIDENT_CTAS:
+            rg //= 2
     if rg == 8 and three and m <= 4 * e and tiles * row_blocks(rg) > GROUPED_WAVE_CTAS:
         # the tiles at RG 8 need a second, partial wave: the fewest row groups per warp that fit one wave
         rg = min(16, row_blocks(max(1, GROUPED_WAVE_CTAS // tiles)))

@@ -274,7 +274,11 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     for m in (128, 256, 512):
         assert G.grouped_cuda_config(m, 128, 768, 2048)["RG"] == 11
     assert G.grouped_cuda_config(1024, 128, 768, 2048)["RG"] == 8  # above 4 rows per expert: not measured
-    assert G.grouped_cuda_config(64, 128, 768, 2048)["RG"] == 4
+    # decode: RG halves from 8 while half of it fits one wave of 396 CTAs; RG 2 below 132 pairs: RG 1
+    gate_up, down = (2048, 1536), (768, 2048)
+    assert [G.grouped_cuda_config(m, 128, *down).get("RG", 1) for m in (8, 16, 32, 64, 96)] == [1, 2, 4, 8, 8]
+    assert [G.grouped_cuda_config(m, 128, *gate_up).get("RG", 1) for m in (8, 16, 32, 64, 96)] == [1, 2, 2, 4, 8]
+    assert G.grouped_cuda_config(256, 32, 256, 1024).get("RG", 1) == 1  # 8 rows per expert (small): as before
     assert G.grouped_cuda_config(512, 128, 4096, 1536)["RG"] == 4  # K > 16 steps: from 4
     # up to 16 K steps three CTAs fit per SM: 528 listed; above, two (264)
     for m, k, n in ((128, 768, 2048), (512, 768, 2048), (128, 2048, 1536), (512, 2048, 1536)):
