@@ -347,7 +347,7 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     interleaved rounds), us: down RG 8 -> 11 34.8 -> 34.1 / 46.5 -> 44.5 / 48.1 -> 44.6 / 49.5 -> 44.7 (RG 16
     45.8-46.4 above 16 tokens, RG 10: four blocks, 54-62); gate_up stays at RG 8 (74.5-75.8 against RG 12's
     75.9-76.6); CTAS changed nothing.
-    Below that (up to 4 rows per expert and 16 steps), RG halves from 8 while the pairs at half of it still fit
+    With fewer tiles (up to 4 rows per expert and 16 steps), RG halves from 8 while the pairs at half of it fit
     one wave: fewer chains per warp as long as no CTA waits for a second wave. Where RG 2 leaves fewer pairs than
     SMs (GROUPED_MIN_PAIRS), RG 1: the configs below. H200 sweep at 1 / 2 / 4 / 8 / 12 tokens (RG 2, 4, 6, 8,
     11, 16 x CTAS 264 / 528, every variant bitwise equal; CUDA-graph medians of five interleaved rounds), us,
