@@ -49,9 +49,10 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 MAX_KP = 32768    # widest row one program holds in registers (row scaling in one pass)
 CHUNK_KP = 8192   # column width of one program for wider rows under row scaling
-# warps of a row-scaled program holding one row of 1024-2048 padded columns because the rows are few (a decode
+# warps of a row-scaled program holding one row of 2048 padded columns because the rows are few (a decode
 # step's). Bits do not depend on it. H200, CUDA-graph medians, 4 -> 8 warps (16): the norm cast of 64 x 2048
-# with its residual 5.55 -> 5.11 us (7.76), SiLU * up 512 x 768 4.71 -> 4.55 (5.19), 64 x 2048 2.45 -> 2.40
+# with its residual 5.55 -> 5.11 us (7.76), 64 x 2048 2.45 -> 2.40. At 1024 columns 8 warps made the `small`
+# model's decode step (three such casts a layer, 256 rows) 21 us slower: 4 stay there
 FEW_ROWS_WARPS = 8
 #: tiles of the other modes, (elements per program, widest column tile, num_warps): 16 elements per thread
 #: keep the cast at 60-100 registers on sm_90 (sm_90 SASS: ~100 instructions per element with SR and the
@@ -134,7 +135,7 @@ def _tiles(x, cw, tile16, row_scaling):
     if row_scaling:
         br, bc, warps, chunks = _layout(cw)
         br = _fill_gpu(br, r, chunks, x.device, 1)
-        if br == 1 and 1024 <= bc <= 2048:
+        if br == 1 and bc == 2048:
             warps = FEW_ROWS_WARPS
         return br, bc, warps, (triton.cdiv(r, br), chunks)
     if x.stride(0) == 1 and x.stride(1) != 1 and r > 1:  # a transposed view: loads coalesce along rows

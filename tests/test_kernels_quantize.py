@@ -286,8 +286,8 @@ def test_gpu_vllm_bit_exact():
 
 def test_cast_tiles_fill_the_gpu_at_decode_sizes(monkeypatch):
     """Rows per program halve (down to 1, or 16 for 16x16 tiles) while the grid has fewer programs than two per
-    SM; large operands keep their tiles, and so does any non-CUDA device. A program left with one row of
-    1024-2048 columns runs FEW_ROWS_WARPS warps."""
+    SM; large operands keep their tiles, and so does any non-CUDA device. A program left with one row of 2048
+    columns runs FEW_ROWS_WARPS warps."""
     qm = _quantize_module()
     monkeypatch.setattr(qm, "_programs_to_fill", lambda index: 264)
     dev = torch.device("cuda", 0)
@@ -301,8 +301,9 @@ def test_cast_tiles_fill_the_gpu_at_decode_sizes(monkeypatch):
         def __init__(self, r):
             self.shape, self.device = (r, 0), dev
 
-    # one row of 1024-2048 columns per program because the rows are few: FEW_ROWS_WARPS; many rows: the tile's
+    # one row of 2048 columns per program because the rows are few: FEW_ROWS_WARPS; else the tile's own warps
     assert qm._tiles(Rows(64), 2048, False, True) == (1, 2048, qm.FEW_ROWS_WARPS, (64, 1))  # a decode norm cast
-    assert qm._tiles(Rows(512), 768, False, True) == (1, 1024, qm.FEW_ROWS_WARPS, (512, 1))  # SiLU * up, 64 x 8
+    assert qm._tiles(Rows(512), 768, False, True) == (1, 1024, 4, (512, 1))  # SiLU * up of 64 tokens x top-8
+    assert qm._tiles(Rows(256), 1024, False, True)[2] == 4  # the small model's decode casts
     assert qm._tiles(Rows(16384), 2048, False, True)[2] == 4
     assert qm._tiles(Rows(64), 4096, False, True)[2] == 8  # wider rows: warps by width
