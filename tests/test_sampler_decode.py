@@ -221,13 +221,14 @@ def test_sample_tokens_inverse_cdf():
     logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")], [2.0, 1.0, 0.0, -1.0]])
     probs = torch.softmax(logits, -1)
     for u in (0.0, 0.25, 0.4999, 0.5, 0.75, 1.0 - 2 ** -24):
-        tok = ops.sample_tokens(logits, 1.0, None, torch.full((2,), u))
+        tok, row_max = ops.sample_tokens_with_max(logits, 1.0, None, torch.full((2,), u))
+        assert torch.equal(row_max, logits.amax(-1))
         assert tok[0] in (0, 2) and tok[0] == (0 if u < 0.5 else 2)  # never a zero-probability token
         assert tok[1] == int((probs[1].cumsum(0) <= u).sum())
     # top_p: only the most likely token survives a tiny top_p, whatever the draw
-    assert ops.sample_tokens(logits, 1.0, 1e-6, torch.full((2,), 0.999)).tolist() == [0, 0]
+    assert ops.sample_tokens_with_max(logits, 1.0, 1e-6, torch.full((2,), 0.999))[0].tolist() == [0, 0]
     g = torch.Generator().manual_seed(0)
-    draws = ops.sample_tokens(logits[1:].expand(20000, 4), 1.0, None, torch.rand(20000, generator=g))
+    draws = ops.sample_tokens_with_max(logits[1:].expand(20000, 4), 1.0, None, torch.rand(20000, generator=g))[0]
     freq = torch.bincount(draws, minlength=4).float() / 20000
     assert (freq - probs[1]).abs().max() < 0.015
 
