@@ -336,8 +336,9 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     all of K's token fragments) fits three times in an SM: RG from 8 and 528 CTAs listed; above, RG from 4 and
     264 CTAs (two per SM). Above 4 rows per expert or 16 steps, RG halves while the (tile, row block) pairs, at
     most min(M, E) tiles x N / (16 x 4 RG) blocks, would not fill 264 CTAs (fewer rows: below). H200 sweep
-    (CTAS 264 / 396 / 528 x RG 2 / 4 / 8 x D 4 / 8, top-8 of 128 experts, CUDA-graph medians, every variant bitwise equal), us, against the former configs (RG from 4 above
-    8 steps, 264 CTAs, 396 at short K below 4 rows per expert): gate_up 1536x2048 at 64 / 16 / 8 tokens
+    (CTAS 264 / 396 / 528 x RG 2 / 4 / 8 x D 4 / 8, top-8 of 128 experts, CUDA-graph medians, every variant
+    bitwise equal), us, against the former configs (RG from 4 above 8 steps, 264 CTAs, 396 at short K below 4
+    rows per expert): gate_up 1536x2048 at 64 / 16 / 8 tokens
     83.8 -> 75.2 / 57.3 -> 53.9 / 47.6 -> 41.6 (RG 4); down 2048x768 48.5 -> 47.9 / 34.7 -> 34.6 / 27.9 -> 28.9
     (RG 4; RG 8 would take 25.6 there, but its 256 pairs sit where the small model's down 1024x256 must halve).
     Up to 4 rows per expert, where the tiles (at most min(M, E)) x row blocks at RG 8 would overflow one wave of
