@@ -32,7 +32,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t stream);
+                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
@@ -155,7 +155,8 @@ def _check(cfg: dict) -> tuple[int, int, int]:
     nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
     lanes = cfg.get("C", 1)
     if (nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or lanes not in LANES
-            or warps % lanes or units_per_thread(nt) * warps < nt or cfg.get("RG", 1) not in ROW_GROUPS):
+            or warps % lanes or units_per_thread(nt) * warps < nt or cfg.get("RG", 1) not in ROW_GROUPS
+            or cfg.get("BAL", 0) not in (0, 1)):
         raise ValueError(f"bad CUDA decode GEMM config {cfg}")
     return nt, depth, warps
 
@@ -191,6 +192,7 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
         chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
         0 if rows is None else rows.data_ptr(), int(rows is not None and rows.dtype == torch.int64),
+        int(offsets is not None and cfg.get("BAL", 0) and frag and rg > 1),
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
@@ -215,7 +217,9 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0, frag: torch.Tensor | 
 def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
             rows: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
-    of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all). Reads ``ex.frag``
+    of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all); with ``BAL`` (row
+    groups in sequence, fragment-order codes) the ``CTAS`` CTAs share the (tile, row group) pairs out evenly,
+    however many tiles the routing makes (``cta_range`` in the kernel). Reads ``ex.frag``
     (fragment-order codes) where present and the ring depth has a fragment-order build. ``rows`` (int32 /
     int64 [M], contiguous, on the device): the problem's row i is a's row rows[i], read in place."""
     m, k = a.shape if rows is None else (rows.numel(), a.shape[1])
@@ -229,7 +233,10 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
     shape = plan(cfg, k, chunk, out.device.index, e, frag)
     lanes, _, rg = shape
     groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes * rg))
-    grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
+    if cfg.get("BAL", 0) and frag and rg > 1:
+        grid_y = max(1, min(bound * groups_x, cfg["CTAS"]))  # a (1, grid_y) grid
+    else:
+        grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
     codes = ex.frag if frag else ex.codes
     strides = (codes.stride(0), ex.scales.stride(0), gw.stride(0))
     return _call(mod, a, codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,

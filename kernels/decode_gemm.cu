@@ -86,6 +86,9 @@ struct Params {
   // the rows routed to experts read in place, without a gathered copy of a
   const void* a_rows;
   int a_rows64;
+  // grouped row-group streams (STREAM below): the CTAs share the (tile, row group) pairs out evenly, whatever
+  // the number of tiles the routing makes (see ``cta_range``); else the grid's x picks a row block, its y the tiles
+  int balanced;
 };
 
 // (only grouped launches take a_rows: the dense builds index their rows directly, with no branch in their
@@ -373,6 +376,25 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
   return l;
 }
 
+// Balanced grouped launches: the pairs (tile t, row group r) in the order t G + r, shared out to the grid's P
+// CTAs as ranges [u, u_end). While every tile's blocks of B = R x RG row groups fit one CTA each (n_tiles x
+// ceil(G / B) <= P), CTA c takes block c % ceil(G / B) of tile c / ceil(G / B), the fixed schedule of the plain
+// grid; else (the routing made more tiles than one wave holds) every CTA takes the same number of pairs, a
+// multiple of R, which may span two tiles: each costs a fraction of a row block more, not a second wave.
+__device__ __forceinline__ void cta_range(int n_tiles, int G, int B, int R, int& u, int& u_end) {
+  const int P = gridDim.x * gridDim.y, c = blockIdx.y * gridDim.x + blockIdx.x;
+  const int blocks = (G + B - 1) / B, total = n_tiles * G;
+  if (n_tiles * blocks <= P) {
+    const int t = c / blocks, b = c - t * blocks;
+    u = t * G + b * B;
+    u_end = t < n_tiles ? u + min(B, G - b * B) : u;
+  } else {
+    const int each = (total + P * R - 1) / (P * R) * R;
+    u = min(total, c * each);
+    u_end = min(total, u + each);
+  }
+}
+
 // grid: x = groups of R x RG row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
 // block: 32 W threads (W = R * C). ROWS: RG may be above 1. FRAG: weight codes in fragment order.
 // The grouped decode default (one token tile, row groups in sequence, fragment-order codes) is held to 168
@@ -404,19 +426,19 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
   const int my_chunks = c < nchunks ? (nchunks - 1 - c) / C + 1 : 0;
   const int my_last = c + (my_chunks - 1) * C;
   const int jump = (C - 1) << lcs;  // from the end of one of my chunks to the start of my next one
-  // my row groups: x0 + i R for i < nrg (RG of them, fewer at the end of N), or x0 + i (STREAM); without
-  // chunks my steps are nrg runs of all of K, one per row group, in that order (J counts them all)
-  // (ROWS false: RG = 1 at compile time, the plain kernel's registers)
+  // my row groups: x0 + i R for i < nrg (RG of them, fewer at the end of N), or x0 + i (STREAM; balanced: set
+  // per piece of the CTA's range below); without chunks my steps are nrg runs of all of K, one per row group,
+  // in that order (J counts them all) (ROWS false: RG = 1 at compile time, the plain kernel's registers)
   constexpr bool STREAM = ROWS && FRAG;  // row groups run one chain each (no chunks): see the header
+  const bool balanced = GROUPED && STREAM && p.balanced;
   const int row_groups = ROWS ? p.row_groups : 1;
-  const int x0 = blockIdx.x * R * row_groups + (STREAM ? rg * row_groups : rg);
+  int x0 = blockIdx.x * R * row_groups + (STREAM ? rg * row_groups : rg);
   const int left = (p.N >> 4) - x0;
-  const bool active = left > 0;
-  const int nrg = ROWS && active ? min(row_groups, STREAM ? left : (left + R - 1) / R) : 1;  // idle warps
-                                                                  // shadow the last row group, store nothing
-  const int row0 = active ? x0 * 16 : p.N - 16;
+  bool active = left > 0;
+  int nrg = ROWS && active ? min(row_groups, STREAM ? left : (left + R - 1) / R) : 1;  // idle warps shadow the
+                                                                                       // last row group, store nothing
   const int row_pitch = STREAM ? 16 : R * 16;  // rows from one of my row groups to the next
-  const int J = nrg * (my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs)));
+  const int steps_per_rg = my_chunks == 0 ? 0 : min(my_chunks << lcs, (my_chunks - 1) * cs + nsteps - (my_last << lcs));
   const Layout L = layout<NT, D, FRAG>(W, nsteps, p.seg, nchunks, C);
   constexpr int kSlot = Slot<FRAG>::kBytes;
   uint8_t* ring = smem + L.ring + warp * D * kSlot;
@@ -437,7 +459,27 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     __syncthreads();
   }
   const int n_tiles = GROUPED ? tile_start[p.E] : (p.M + 8 * NT - 1) / (8 * NT);
-  for (int tile = blockIdx.y; tile < n_tiles; tile += gridDim.y) {
+  const int G = p.N >> 4;  // row groups of a tile
+  int u = 0, u_end = 0;    // balanced: my (tile, row group) pairs, tile-major
+  if (balanced) cta_range(n_tiles, G, R * row_groups, R, u, u_end);
+  for (int next = blockIdx.y;;) {
+    int tile;
+    if (balanced) {  // my next piece: the rest of my range inside one tile, cut into R runs of consecutive groups
+      if (u >= u_end) break;
+      tile = u / G;
+      const int g0 = u - tile * G, len = min(u_end - u, G - g0), q = (len + R - 1) / R;
+      const int mine = min(q, len - rg * q);
+      x0 = g0 + rg * q;
+      active = mine > 0;
+      nrg = active ? mine : 1;
+      u += len;
+    } else {
+      if (next >= n_tiles) break;
+      tile = next;
+      next += gridDim.y;
+    }
+    const int row0 = active ? x0 * 16 : p.N - 16;
+    const int J = nrg * steps_per_rg;
     int m0, m_end;
     const uint8_t* wc = p.w_codes;
     const uint8_t* ws = p.w_scales;
@@ -761,7 +803,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t stream) {
+                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t stream) {
   using namespace minite_decode;
   Params p;
   p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
@@ -791,17 +833,19 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.frag = static_cast<int>(frag);
   p.a_rows = reinterpret_cast<const void*>(a_rows);
   p.a_rows64 = static_cast<int>(a_rows64);
+  p.balanced = static_cast<int>(balanced);
   const int64_t nsteps = K / 128;
   if (warps < 1 || warps > 8 || (warps & (warps - 1)) || lanes < 1 || warps % lanes || (lanes & (lanes - 1)) ||
       chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1 ||
-      (a_rows != 0 && offsets == 0))
+      (a_rows != 0 && offsets == 0) || (balanced && (offsets == 0 || !frag || row_groups < 2)))
     return -1;
   // segments hold whole rounds of chunks (C chunks of 2^chunk_log2 steps), or all of K
   if (chunk_log2 >= 0 && seg < nsteps && seg % (lanes << chunk_log2)) return -1;
   // row groups in sequence: one chain over K, all of K's token fragments resident
   if (row_groups < 1 || (row_groups > 1 && (chunk_log2 >= 0 || seg < nsteps))) return -1;
   const int rows_per_cta = 16 * static_cast<int>(warps / lanes * row_groups);
-  const int grid_x = static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
+  // balanced: a (1, grid_y) grid of grid_y CTAs, which share the pairs out themselves
+  const int grid_x = balanced ? 1 : static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool grouped = offsets != 0;
   return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)

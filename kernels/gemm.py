@@ -147,7 +147,8 @@ def config_name(c: dict) -> str:
     if c.get("variant") == "cuda":
         lanes = f"c{c['C']}" if c.get("C", 1) > 1 else ""
         rows = f"r{c['RG']}" if c.get("RG", 1) > 1 else ""
-        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}{rows}"
+        bal = "b" if c.get("BAL", 0) else ""
+        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}{rows}{bal}"
     return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
 
 
@@ -383,6 +384,8 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     if rg == 8 and three and m <= 4 * e and tiles * row_blocks(rg) > GROUPED_WAVE_CTAS:
         # the tiles at RG 8 need a second, partial wave: the fewest row groups per warp that fit one wave
         rg = min(16, row_blocks(max(1, GROUPED_WAVE_CTAS // tiles)))
+    if rg > 1 and three and m <= 4 * e:  # one wave, kept when the routing makes more tiles than min(M, E)
+        return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg, BAL=1, CTAS=GROUPED_WAVE_CTAS)
     if rg > 1:
         return dict(variant="cuda", NT=1, W=4, D=8, SEG=0, RG=rg,
                     CTAS=GROUPED_LISTED_CTAS if three else GROUPED_RESIDENT_CTAS)

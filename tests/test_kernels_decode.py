@@ -280,9 +280,13 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     assert [G.grouped_cuda_config(m, 128, *gate_up).get("RG", 1) for m in (8, 16, 32, 64, 96)] == [1, 2, 2, 4, 8]
     assert G.grouped_cuda_config(256, 32, 256, 1024).get("RG", 1) == 1  # 8 rows per expert (small): as before
     assert G.grouped_cuda_config(512, 128, 4096, 1536)["RG"] == 4  # K > 16 steps: from 4
-    # up to 16 K steps three CTAs fit per SM: 528 listed; above, two (264)
+    # up to 16 K steps three CTAs fit per SM: in decode one wave (396) that shares the pairs out evenly, also
+    # when the routing makes more tiles than min(M, E); above 4 rows per expert 528 listed; above 16 steps 264
     for m, k, n in ((128, 768, 2048), (512, 768, 2048), (128, 2048, 1536), (512, 2048, 1536)):
-        assert G.grouped_cuda_config(m, 128, k, n)["CTAS"] == G.GROUPED_LISTED_CTAS
+        cfg = G.grouped_cuda_config(m, 128, k, n)
+        assert cfg["CTAS"] == G.GROUPED_WAVE_CTAS and cfg["BAL"] == 1
+    assert G.grouped_cuda_config(1024, 128, 768, 2048)["CTAS"] == G.GROUPED_LISTED_CTAS
+    assert "BAL" not in G.grouped_cuda_config(1024, 128, 768, 2048)
     assert G.grouped_cuda_config(512, 128, 4096, 1536)["CTAS"] == G.GROUPED_RESIDENT_CTAS
     assert G.grouped_cuda_config(8, 128, 2048, 1536).get("RG", 1) == 1
     assert G.grouped_cuda_config(8, 128, 768, 2048) == dict(variant="cuda", NT=1, W=2, D=4, SEG=0, CTAS=2112)
@@ -416,7 +420,11 @@ def test_gpu_grouped_decode_bit_equal(tokens):
     for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=4), dict(NT=1, W=4, D=8, SEG=0, RG=4),
                 dict(NT=1, W=2, D=4, SEG=0, RG=16, CTAS=64), dict(NT=2, W=8, D=8, SEG=0, RG=2),
                 dict(NT=1, W=4, D=16, SEG=0, RG=4), dict(NT=1, W=4, D=8, SEG=0, RG=11),
-                dict(NT=1, W=4, D=4, SEG=0, RG=3, CTAS=100)):
+                dict(NT=1, W=4, D=4, SEG=0, RG=3, CTAS=100),
+                # balanced (fragment-order codes): blocks of 4 RG groups while they fit the CTAs, else even
+                # shares that span tiles (CTAS 7 and 100: more tiles than the CTAs hold at RG 2 / 11)
+                dict(NT=1, W=4, D=8, SEG=0, RG=8, BAL=1, CTAS=396), dict(NT=1, W=4, D=8, SEG=0, RG=2, BAL=1, CTAS=7),
+                dict(NT=1, W=4, D=4, SEG=0, RG=11, BAL=1, CTAS=100)):
         cfg = dict(variant="cuda", **cfg)
         for e in (ex, exf):  # row-major codes, fragment order (depths 4 / 8; 16 reads the row-major codes)
             got = grouped_nvfp4_gemm(a, e, offs, out_dtype=torch.float32, config=cfg)
@@ -443,7 +451,8 @@ def test_gpu_grouped_decode_rows_in_place(tokens):
     a = quantize(torch.randn(tokens, 768, device=dev), scaling="row")
     ex = decode_layout(stack_experts([quantize(torch.randn(256, 768, device=dev) * 0.05) for _ in range(128)]))
     want = grouped_nvfp4_gemm(a.take(rows), ex, offs, out_dtype=torch.float32, config=G.GROUPED_FALLBACK)
-    for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=0, RG=2), dict(NT=1, W=4, D=8, SEG=0, RG=4)):
+    for cfg in (dict(NT=1, W=4, D=8, SEG=4), dict(NT=2, W=4, D=8, SEG=0, RG=2), dict(NT=1, W=4, D=8, SEG=0, RG=4),
+                dict(NT=1, W=4, D=8, SEG=0, RG=4, BAL=1, CTAS=20)):
         cfg = dict(variant="cuda", **cfg)
         for idx in (rows, rows.to(torch.int32)):
             got = grouped_nvfp4_gemm(a, ex, offs, out_dtype=torch.float32, config=cfg, rows=idx)
