@@ -37,6 +37,8 @@ exact pure PyTorch on CPU.
         float64 attention, flash style (no [Tq, Tk] buffer); bitwise its PyTorch reference.
     invariant_gemm(x, w, bias=None, backend=None) -> [M, N]
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
+    invariant_gemm_parts(x, w, backend=None) -> [S, M, N] | None; sum_parts(parts, dtype, out_dtype=None)
+        its split-K partial sums where it splits K (the router), and their sum pass (the same bits).
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
         inverse-CDF sampling, one draw per row, CUDA-graph safe; two Triton passes without top_p.
     sample_tokens_with_max(logits, temperature, uniform, top_p=None, backend=None) -> ([B], [B] fp32)
@@ -46,6 +48,8 @@ exact pure PyTorch on CPU.
         a given row max saves the statistics one read of the logits.
     route(logits, top_k, norm_topk, mode, dtype=None, backend=None) -> (weights [T, k], ids [T, k])
         MoE routing (fp32 softmax, top-k, renormalisation, cast) in one pass, bitwise torch's CUDA ops.
+    route_parts(parts, logits_dtype, top_k, norm_topk, mode, dtype=None, backend=None)
+        the same from the router GEMM's split-K partial sums (``invariant_gemm_parts``), added in the pass.
     record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens, ...)
         the decode step's token / log-prob / stop bookkeeping in one launch.
     step_inputs(pos, slots, tokens, uniform, max_pos) -> StepInputs(slot_ids, seq_lens, nxt, forced, draw)
@@ -62,9 +66,9 @@ from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nv
 from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
                        quantize_weight_groups)
 from .attention import decode_attention, invariant_attention
-from .hp_gemm import invariant_gemm
+from .hp_gemm import invariant_gemm, invariant_gemm_parts, sum_parts
 from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
-from .routing import route
+from .routing import route, route_parts
 from .log_softmax import LogSoftmaxRows, log_softmax_rows
 from . import fused_ops
 
@@ -73,5 +77,6 @@ __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_sil
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
+           "invariant_gemm_parts", "sum_parts", "route_parts",
            "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
            "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]

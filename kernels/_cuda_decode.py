@@ -180,7 +180,7 @@ def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0,
 
 
 def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, shape, offsets=None,
-          strides=(0, 0, 0), frag=False, rows=None):
+          strides=(0, 0, 0), frag=False, rows=None, balanced=False):
     nt, depth, warps = _check(cfg)
     lanes, seg, rg = shape
     offs, offs64, n_experts = 0, 0, 0
@@ -192,7 +192,7 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
         chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
         0 if rows is None else rows.data_ptr(), int(rows is not None and rows.dtype == torch.int64),
-        int(offsets is not None and cfg.get("BAL", 0) and frag and rg > 1),
+        int(balanced),
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
@@ -218,8 +218,9 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
             rows: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
     of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all); with ``BAL`` (row
-    groups in sequence, fragment-order codes) the ``CTAS`` CTAs share the (tile, row group) pairs out evenly,
-    however many tiles the routing makes (``cta_range`` in the kernel). Reads ``ex.frag``
+    groups in sequence, fragment-order codes) at most ``CTAS`` CTAs run one wave: where the routing makes more
+    tiles than gridDim.y, they share the (tile, row group) pairs out evenly (``cta_range`` in the kernel).
+    Reads ``ex.frag``
     (fragment-order codes) where present and the ring depth has a fragment-order build. ``rows`` (int32 /
     int64 [M], contiguous, on the device): the problem's row i is a's row rows[i], read in place."""
     m, k = a.shape if rows is None else (rows.numel(), a.shape[1])
@@ -233,11 +234,12 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
     shape = plan(cfg, k, chunk, out.device.index, e, frag)
     lanes, _, rg = shape
     groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes * rg))
-    if cfg.get("BAL", 0) and frag and rg > 1:
-        grid_y = max(1, min(bound * groups_x, cfg["CTAS"]))  # a (1, grid_y) grid
+    balanced = bool(cfg.get("BAL", 0) and frag and rg > 1)
+    if balanced:  # never above CTAS: one wave
+        grid_y = max(1, min(bound, cfg["CTAS"] // groups_x))
     else:
         grid_y = max(1, min(bound, -(-cfg.get("CTAS", 4 * 132) // groups_x)))
     codes = ex.frag if frag else ex.codes
     strides = (codes.stride(0), ex.scales.stride(0), gw.stride(0))
     return _call(mod, a, codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,
-                 offsets.contiguous(), strides, frag, rows)
+                 offsets.contiguous(), strides, frag, rows, balanced)

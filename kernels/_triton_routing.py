@@ -1,10 +1,10 @@
 """Triton kernel of the fused top-k routing (contract, orders and references in ``routing``).
 
-One program (one warp) per row; torch's lane-wise sums as explicit trees (``_triton_torch_order``). The
-sort's (key, index, valid) triples travel as one int64: ((key bits + 1) << 32) | index for a valid entry, 0
-for an invalid one; for keys >= +0.0 (probabilities) comparing the high words is torch's swap test, up to
-swaps of two invalid entries, which are equal. Launched with FMA contraction off;
-expf is libdevice's (numpy's under the interpreter).
+One program (one warp) per row, reading the logits or (PARTS) the router GEMM's split-K partial sums; torch's
+lane-wise sums as explicit trees (``_triton_torch_order``). The sort's (key, index, valid) triples travel as
+one int64: ((key bits + 1) << 32) | index for a valid entry, 0 for an invalid one; for keys >= +0.0
+(probabilities) comparing the high words is torch's swap test, up to swaps of two invalid entries, which are
+equal. Launched with FMA contraction off; expf is libdevice's (numpy's under the interpreter).
 """
 from __future__ import annotations
 
@@ -29,20 +29,32 @@ def _bitonic_stage(packed, slot, STRIDE: tl.constexpr, SIZE: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(logits, stride, w_out, id_out, E, K, W: tl.constexpr, LOG_W: tl.constexpr, IT: tl.constexpr,
-                  K_SLOTS: tl.constexpr, LOG_SLOTS: tl.constexpr, BX: tl.constexpr, LOG_BX: tl.constexpr,
-                  NORM: tl.constexpr, HALVES: tl.constexpr):
+def _logits_at(row, idx, mask, parts_stride, rd, PARTS: tl.constexpr):
+    """The row's logits at ``idx`` in fp32 (-inf where masked); PARTS > 1: ``row`` is split 0 of a GEMM's
+    split-K partial sums, added here in split order and rounded to rd's dtype, as its sum pass does."""
+    v = tl.load(row + idx, mask=mask, other=float("-inf")).to(tl.float32)
+    if PARTS > 1:
+        for sp in tl.static_range(1, PARTS):
+            v += tl.load(row + sp * parts_stride + idx, mask=mask, other=0.0)
+        v = round_to(v, rd.dtype.element_ty).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _route_kernel(logits, stride, parts_stride, rd, w_out, id_out, E, K, W: tl.constexpr, LOG_W: tl.constexpr,
+                  IT: tl.constexpr, K_SLOTS: tl.constexpr, LOG_SLOTS: tl.constexpr, BX: tl.constexpr,
+                  LOG_BX: tl.constexpr, NORM: tl.constexpr, HALVES: tl.constexpr, PARTS: tl.constexpr = 1):
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
     lane = tl.arange(0, W)
 
     # softmax: element (i, l) = index l + W i; the row max; lane sums in i order; the xor butterfly
     idx2 = tl.arange(0, IT)[:, None] * W + lane[None, :]
-    x = tl.load(row + idx2, mask=idx2 < E, other=float("-inf")).to(tl.float32)
+    x = _logits_at(row, idx2, idx2 < E, parts_stride, rd, PARTS)
     mx = tl.max(tl.max(x, axis=1), axis=0)
     s = tl.zeros([W], dtype=tl.float32)
     for i in tl.static_range(IT):
-        xi = tl.load(row + i * W + lane, mask=i * W + lane < E, other=float("-inf")).to(tl.float32)
+        xi = _logits_at(row, i * W + lane, i * W + lane < E, parts_stride, rd, PARTS)
         s = s + _expf(xi - mx)
     for j in tl.static_range(LOG_W):
         s = xor_step(s, lane, W >> (j + 1))

@@ -87,7 +87,8 @@ struct Params {
   const void* a_rows;
   int a_rows64;
   // grouped row-group streams (STREAM below): the CTAs share the (tile, row group) pairs out evenly, whatever
-  // the number of tiles the routing makes (see ``cta_range``); else the grid's x picks a row block, its y the tiles
+  // the number of tiles the routing makes (see ``cta_range``); else, and while the tiles fit the grid's y, the
+  // grid's x picks a row block, its y the tiles
   int balanced;
 };
 
@@ -376,23 +377,15 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
   return l;
 }
 
-// Balanced grouped launches: the pairs (tile t, row group r) in the order t G + r, shared out to the grid's P
-// CTAs as ranges [u, u_end). While every tile's blocks of B = R x RG row groups fit one CTA each (n_tiles x
-// ceil(G / B) <= P), CTA c takes block c % ceil(G / B) of tile c / ceil(G / B), the fixed schedule of the plain
-// grid; else (the routing made more tiles than one wave holds) every CTA takes the same number of pairs, a
-// multiple of R, which may span two tiles: each costs a fraction of a row block more, not a second wave.
-__device__ __forceinline__ void cta_range(int n_tiles, int G, int B, int R, int& u, int& u_end) {
+// Balanced grouped launches, when the routing made more tiles than the grid has rows of CTAs (n_tiles >
+// gridDim.y; else every CTA runs the plain grid's schedule): the pairs (tile t, row group r) in the order t G + r
+// are shared out to the grid's P CTAs as ranges [u, u_end) of the same number of pairs, a multiple of R, which
+// may span two tiles: each CTA costs a fraction of a row block more, not a second wave.
+__device__ __forceinline__ void cta_range(int n_tiles, int G, int R, int& u, int& u_end) {
   const int P = gridDim.x * gridDim.y, c = blockIdx.y * gridDim.x + blockIdx.x;
-  const int blocks = (G + B - 1) / B, total = n_tiles * G;
-  if (n_tiles * blocks <= P) {
-    const int t = c / blocks, b = c - t * blocks;
-    u = t * G + b * B;
-    u_end = t < n_tiles ? u + min(B, G - b * B) : u;
-  } else {
-    const int each = (total + P * R - 1) / (P * R) * R;
-    u = min(total, c * each);
-    u_end = min(total, u + each);
-  }
+  const int total = n_tiles * G, each = (total + P * R - 1) / (P * R) * R;
+  u = min(total, c * each);
+  u_end = min(total, u + each);
 }
 
 // grid: x = groups of R x RG row groups (16 weight rows each), y = token tiles (looped with stride gridDim.y);
@@ -430,7 +423,6 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
   // per piece of the CTA's range below); without chunks my steps are nrg runs of all of K, one per row group,
   // in that order (J counts them all) (ROWS false: RG = 1 at compile time, the plain kernel's registers)
   constexpr bool STREAM = ROWS && FRAG;  // row groups run one chain each (no chunks): see the header
-  const bool balanced = GROUPED && STREAM && p.balanced;
   const int row_groups = ROWS ? p.row_groups : 1;
   int x0 = blockIdx.x * R * row_groups + (STREAM ? rg * row_groups : rg);
   const int left = (p.N >> 4) - x0;
@@ -460,8 +452,10 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
   }
   const int n_tiles = GROUPED ? tile_start[p.E] : (p.M + 8 * NT - 1) / (8 * NT);
   const int G = p.N >> 4;  // row groups of a tile
-  int u = 0, u_end = 0;    // balanced: my (tile, row group) pairs, tile-major
-  if (balanced) cta_range(n_tiles, G, R * row_groups, R, u, u_end);
+  // more tiles than rows of CTAs: share the (tile, row group) pairs out evenly, no second wave
+  const bool balanced = GROUPED && STREAM && p.balanced && n_tiles > static_cast<int>(gridDim.y);
+  int u = 0, u_end = 0;  // balanced: my pairs, tile-major
+  if (balanced) cta_range(n_tiles, G, R, u, u_end);
   for (int next = blockIdx.y;;) {
     int tile;
     if (balanced) {  // my next piece: the rest of my range inside one tile, cut into R runs of consecutive groups
@@ -844,8 +838,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   // row groups in sequence: one chain over K, all of K's token fragments resident
   if (row_groups < 1 || (row_groups > 1 && (chunk_log2 >= 0 || seg < nsteps))) return -1;
   const int rows_per_cta = 16 * static_cast<int>(warps / lanes * row_groups);
-  // balanced: a (1, grid_y) grid of grid_y CTAs, which share the pairs out themselves
-  const int grid_x = balanced ? 1 : static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
+  const int grid_x = static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool grouped = offsets != 0;
   return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)

@@ -356,12 +356,12 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     former rule -> this one: down 2048x768 14.6 -> 10.6 (RG 2) / 19.2 -> 14.9 (RG 4) / 28.5 -> 23.6 (RG 8) at
     2 / 4 / 8 tokens, gate_up 1536x2048 22.0 -> 17.7 (RG 2) at 2 tokens; the other points kept their config
     and were the fastest measured (1 token: 12.6 and 8.7 against RG 2's 13.6 and 9.1).
-    In decode (up to 4 rows per expert and 16 steps) the 396 CTAs of one wave share the (tile, row group) pairs
-    out themselves (BAL; ``cta_range`` in the kernel): RG's row blocks while every tile's blocks fit, else even
-    shares, so a routing that makes more tiles than min(M, E) (experts above 8 rows) costs a fraction of a
-    block, not a second wave. H200, 512 routed rows, 128 experts, CUDA-graph medians of five interleaved rounds,
-    bitwise equal, us, fixed grid -> BAL at 128 / 136 / 146 tiles: gate_up 75.0 -> 75.7 / 100.6 -> 80.5 /
-    99.1 -> 81.7; down 41.2 -> 41.6 / 60.3 -> 43.7 / 63.0 -> 46.8.
+    In decode (up to 4 rows per expert and 16 steps) at most 396 CTAs run one wave (BAL): the plain grid's
+    schedule while the tiles fit its rows, else the CTAs share the (tile, row group) pairs out evenly
+    (``cta_range`` in the kernel), so a routing that makes more tiles than min(M, E) (experts above 8 rows)
+    costs a fraction of a block, not a second wave. H200, 512 routed rows, 128 experts, CUDA-graph medians of
+    five interleaved rounds, bitwise equal, us, fixed grid -> BAL at 128 / 136 / 146 tiles: gate_up 75.0 -> 75.7
+    / 100.6 -> 80.5 / 99.1 -> 81.7; down 41.2 -> 41.6 / 60.3 -> 43.7 / 63.0 -> 46.8.
     At RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile is over before a
     deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not apply (one row group
     per tile).

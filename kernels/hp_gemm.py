@@ -2,6 +2,9 @@
 
     invariant_gemm(x, w, bias=None, backend=None, config=None, out_dtype=None) -> [M, N] = x @ w.T (+ bias),
         rounded to x's dtype; stored as ``out_dtype`` (float32: the same values, for a log-softmax in fp32)
+    invariant_gemm_parts(x, w, backend=None) -> [S, M, N] fp32 | None: its split-K partial sums, where it
+        splits K (the router), for a consumer that adds them itself (the routing kernel)
+    sum_parts(parts, dtype, out_dtype=None) -> [M, N]: the sum pass of those parts, invariant_gemm's bits
 
 Row i's bits do not depend on M (or on the run): batch invariance comes from a fixed reduction order, not
 from extra precision. Every config does bf16 x bf16 -> fp32 tensor-core dots over the same K steps (BK = 64,
@@ -58,8 +61,10 @@ def _configs(m: int, n: int) -> tuple[dict, ...]:
     return (BIG_CONFIG, MID_CONFIG)
 
 
-def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False) -> torch.Tensor:
-    from ._triton_hp_gemm import invariant_mm_kernel, split_k_sum_kernel
+def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False, add_parts: bool = True):
+    """The GEMM into ``out`` (split K: partial sums, then the sum pass); add_parts False: return the [S, M, N]
+    partial sums, no sum pass (``out`` unused)."""
+    from ._triton_hp_gemm import invariant_mm_kernel
     m, k = x.shape
     n = w.shape[0]
     cfg = dict(cfg)
@@ -67,15 +72,27 @@ def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False) -
     k_per = _cdiv(_cdiv(k, splits), BK) * BK  # whole BK steps: every split starts on the same K grid
     part = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
     has_bias = bias is not None
-    bias_arg = bias if has_bias else out
+    bias_arg = bias if has_bias else part
     grid = (_cdiv(m, bm) * _cdiv(n, bn), splits)
-    invariant_mm_kernel[grid](x, w, bias_arg, out, part, m, n, k, k_per, x.stride(0), x.stride(1), w.stride(0),
-                              w.stride(1), HAS_BIAS=has_bias, SPLIT_K=splits, BM=bm, BN=bn, BK=BK, GROUP_M=group,
-                              UPCAST_DOT=_backend.interpreter_on(), ROUND_TO_X=round_to_x, **cfg)
-    if splits > 1:
-        block = 1024
-        split_k_sum_kernel[(_cdiv(m * n, block),)](part, bias_arg, out, x, m, n, HAS_BIAS=has_bias, SPLIT_K=splits,
-                                                    BLOCK=block, ROUND_TO_X=round_to_x, num_warps=4)
+    invariant_mm_kernel[grid](x, w, bias_arg, part if out is None else out, part, m, n, k, k_per, x.stride(0),
+                              x.stride(1), w.stride(0), w.stride(1), HAS_BIAS=has_bias, SPLIT_K=splits, BM=bm,
+                              BN=bn, BK=BK, GROUP_M=group, UPCAST_DOT=_backend.interpreter_on(),
+                              ROUND_TO_X=round_to_x, **cfg)
+    if splits == 1:
+        return out
+    if not add_parts:
+        return part
+    return _sum(part, bias, out, x, round_to_x)
+
+
+def _sum(part, bias, out, x, round_to_x: bool) -> torch.Tensor:
+    """out = part[0] + part[1] + ... in split order, + bias, rounded once (to x's dtype with round_to_x)."""
+    from ._triton_hp_gemm import split_k_sum_kernel
+    splits, m, n = part.shape
+    block = 1024
+    split_k_sum_kernel[(_cdiv(m * n, block),)](part, part if bias is None else bias, out, x, m, n,
+                                                HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=block,
+                                                ROUND_TO_X=round_to_x, num_warps=4)
     return out
 
 
@@ -125,8 +142,7 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"expected x [M, K] and w [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}")
     if x.device != w.device or (bias is not None and (bias.shape != (w.shape[0],) or bias.device != w.device)):
         raise ValueError(f"x, w (and bias [{w.shape[0]}]) must share a device")
-    if _backend.resolve(backend, x.device) == "torch" or x.dtype != w.dtype \
-            or x.dtype not in (torch.bfloat16, torch.float16):
+    if not _triton_operands(x, w, backend):
         return reference_gemm(x, w, bias).to(out_dtype or x.dtype)
     m, n = x.shape[0], w.shape[0]
     wide = out_dtype not in (None, x.dtype)
@@ -135,3 +151,33 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         return out
     cfg = dict(config) if config else pick_config(m, n, x.device, x.dtype)
     return _launch(x, w, bias, out, cfg, split_k(n, x.shape[1]), round_to_x=wide)
+
+
+def _triton_operands(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> bool:
+    return (_backend.resolve(backend, x.device) == "triton" and x.dtype == w.dtype
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def invariant_gemm_parts(x: torch.Tensor, w: torch.Tensor, backend: str | None = None) -> torch.Tensor | None:
+    """The split-K partial sums [S, M, N] (fp32) of ``invariant_gemm(x, w)`` where its Triton path splits K
+    (narrow N: the router), else None. Added in split order and rounded to x's dtype (``sum_parts``, or a
+    consumer doing the same: the routing kernel) they give invariant_gemm's bits."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.device != w.device:
+        raise ValueError(f"expected x [M, K] and w [N, K] on one device; got {tuple(x.shape)}, {tuple(w.shape)}")
+    m, n = x.shape[0], w.shape[0]
+    splits = split_k(n, x.shape[1])
+    if splits == 1 or m == 0 or not _triton_operands(x, w, backend):
+        return None
+    return _launch(x, w, None, None, pick_config(m, n, x.device, x.dtype), splits, add_parts=False)
+
+
+def sum_parts(parts: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """parts [S, M, N] fp32 -> their sum in split order, rounded to ``dtype``, stored as ``out_dtype`` (default
+    ``dtype``; float32: the same values): invariant_gemm's output for the x of that dtype."""
+    out = torch.empty(parts.shape[1:], dtype=out_dtype or dtype, device=parts.device)
+    if parts.device.type != "cuda" and not _backend.interpreter_on():  # the same adds and rounding in torch
+        acc = parts[0].clone()
+        for s in range(1, parts.shape[0]):
+            acc += parts[s]
+        return out.copy_(acc.to(dtype))
+    return _sum(parts, None, out, parts.new_empty(1, dtype=dtype), out_dtype not in (None, dtype))

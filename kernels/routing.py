@@ -4,6 +4,9 @@
         transformers' Qwen3MoeTopKRouter on router logits [T, E]: fp32 softmax, ``torch.topk`` (sorted, the
         largest first), optionally divided by the top-k sum, then cast to ``dtype`` (default the logits')
         for "hf"; "vllm" keeps the fp32 weights.
+    route_parts(parts, logits_dtype, top_k, norm_topk, mode, dtype=None, backend=None) -> the same for the
+        logits ``hp_gemm.sum_parts(parts, logits_dtype, torch.float32)`` (the router GEMM's split-K partial
+        sums [S, T, E]): the fused kernel adds them itself, one launch instead of two.
 
 Why one pass. torch runs this as five or six launches a layer (softmax, the radix select and the bitonic
 sort of ``topk``, the sum, the division, the cast): 19.5 us per layer on an H200 at batch 64 (CUDA graph,
@@ -158,22 +161,26 @@ def fused_fits(logits, top_k: int, out_dtype) -> bool:
             and out_dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def route_fused(logits, top_k: int, norm_topk: bool, out_dtype, tree: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel (``_triton_routing``): one program per row."""
+def route_fused(logits, top_k: int, norm_topk: bool, out_dtype, tree: str,
+                parts_of: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (``_triton_routing``): one program per row. ``parts_of``: ``logits`` are split-K
+    partial sums [S, T, E] (contiguous fp32) of logits of that dtype, added by the kernel."""
     from ._triton_routing import _route_kernel
 
-    t, e = logits.shape
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    t, e = logits.shape[-2:]
+    x = logits if logits.stride(-1) == 1 and parts_of is None else logits.contiguous()
+    parts = x.shape[0] if parts_of is not None else 1
+    rd = x.new_empty(1, dtype=parts_of) if parts_of is not None else x
     weights = torch.empty(t, top_k, device=logits.device, dtype=out_dtype)
     ids = torch.empty(t, top_k, device=logits.device, dtype=torch.int64)
     if t:
         width = _pow2_at_least(e)
         w = min(width, 32)
         bx = min(_pow2_at_most(top_k), 32)
-        _route_kernel[(t,)](x, x.stride(0), weights, ids, e, top_k, W=w, LOG_W=w.bit_length() - 1,
+        _route_kernel[(t,)](x, x.stride(-2), t * e, rd, weights, ids, e, top_k, W=w, LOG_W=w.bit_length() - 1,
                             IT=width // w, K_SLOTS=SLOTS, LOG_SLOTS=SLOTS.bit_length() - 1, BX=bx,
-                            LOG_BX=bx.bit_length() - 1, NORM=norm_topk, HALVES=tree == "halves", num_warps=1,
-                            enable_fp_fusion=False)
+                            LOG_BX=bx.bit_length() - 1, NORM=norm_topk, HALVES=tree == "halves", PARTS=parts,
+                            num_warps=1, enable_fp_fusion=False)
     return weights, ids
 
 
@@ -214,3 +221,22 @@ def route(logits, top_k: int, norm_topk: bool, mode: str, dtype=None, backend: s
     if tree is None:
         return route_reference(logits, top_k, norm_topk, mode, dtype)
     return route_fused(logits, top_k, norm_topk, out_dtype, tree)
+
+
+def route_parts(parts, logits_dtype, top_k: int, norm_topk: bool, mode: str, dtype=None,
+                backend: str | None = None):
+    """``route`` of the logits ``hp_gemm.sum_parts(parts, logits_dtype, torch.float32)`` (fp32 holding
+    ``logits_dtype`` values: the router's GEMM split K into parts [S, T, E], fp32), bit for bit; where the fused
+    kernel runs, it adds the parts itself (one launch fewer a layer)."""
+    from .hp_gemm import sum_parts
+    if parts.dim() != 3 or parts.dtype != torch.float32:
+        raise ValueError(f"expected fp32 split-K partial sums [S, T, E]; got {parts.dtype} {tuple(parts.shape)}")
+    out_dtype = (dtype or torch.float32) if mode == "hf" else torch.float32
+    tree = "halves"
+    fits = fused_fits(parts[0], top_k, out_dtype) and _backend.resolve(backend, parts.device) == "triton"
+    if fits and parts.device.type == "cuda":
+        tree = _tree(parts.device, parts.shape[-1], top_k, norm_topk, torch.float32, out_dtype)
+    if not fits or tree is None:
+        return route(sum_parts(parts, logits_dtype, torch.float32), top_k, norm_topk, mode, dtype, backend)
+    _check(parts[0], top_k, mode)
+    return route_fused(parts, top_k, norm_topk, out_dtype, tree, parts_of=logits_dtype)

@@ -421,10 +421,11 @@ def test_gpu_grouped_decode_bit_equal(tokens):
                 dict(NT=1, W=2, D=4, SEG=0, RG=16, CTAS=64), dict(NT=2, W=8, D=8, SEG=0, RG=2),
                 dict(NT=1, W=4, D=16, SEG=0, RG=4), dict(NT=1, W=4, D=8, SEG=0, RG=11),
                 dict(NT=1, W=4, D=4, SEG=0, RG=3, CTAS=100),
-                # balanced (fragment-order codes): blocks of 4 RG groups while they fit the CTAs, else even
-                # shares that span tiles (CTAS 7 and 100: more tiles than the CTAs hold at RG 2 / 11)
-                dict(NT=1, W=4, D=8, SEG=0, RG=8, BAL=1, CTAS=396), dict(NT=1, W=4, D=8, SEG=0, RG=2, BAL=1, CTAS=7),
-                dict(NT=1, W=4, D=4, SEG=0, RG=11, BAL=1, CTAS=100)):
+                # balanced (fragment-order codes): the plain grid's schedule while the tiles fit its rows of
+                # CTAs (CTAS 396, RG 8 / 2: one / two row blocks a tile), else even shares that span tiles
+                # (CTAS 7 and 100: more tiles than the CTAs hold at RG 2 / 11)
+                dict(NT=1, W=4, D=8, SEG=0, RG=8, BAL=1, CTAS=396), dict(NT=1, W=4, D=8, SEG=0, RG=2, BAL=1, CTAS=396),
+                dict(NT=1, W=4, D=8, SEG=0, RG=2, BAL=1, CTAS=7), dict(NT=1, W=4, D=4, SEG=0, RG=11, BAL=1, CTAS=100)):
         cfg = dict(variant="cuda", **cfg)
         for e in (ex, exf):  # row-major codes, fragment order (depths 4 / 8; 16 reads the row-major codes)
             got = grouped_nvfp4_gemm(a, e, offs, out_dtype=torch.float32, config=cfg)

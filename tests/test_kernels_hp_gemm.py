@@ -74,6 +74,24 @@ def test_float32_out_holds_the_rounded_values(n, k):
         invariant_gemm(x, w, out_dtype=torch.float16)
 
 
+def test_parts_summed_are_its_bits():
+    x, w = _xw(9, 128, 2048, seed=9)  # the router's narrow N: 8 K splits
+    parts = hp_gemm.invariant_gemm_parts(x, w, backend="triton")
+    assert parts.shape == (8, 9, 128) and parts.dtype == torch.float32
+    want = invariant_gemm(x, w, backend="triton")
+    assert torch.equal(hp_gemm.sum_parts(parts, x.dtype), want)
+    wide = hp_gemm.sum_parts(parts, x.dtype, torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide, want.float())
+    acc = parts[0].clone()  # split order, fp32, one rounding: sum_parts' torch path does just this
+    for s in range(1, 8):
+        acc += parts[s]
+    assert torch.equal(acc.to(x.dtype), want)
+    assert hp_gemm.invariant_gemm_parts(*_xw(9, 70, 200), backend="triton") is None  # one K range
+    assert hp_gemm.invariant_gemm_parts(x, w) is None                              # CPU auto: the exact path
+    with pytest.raises(ValueError, match="expected x"):
+        hp_gemm.invariant_gemm_parts(x, w[:, :8])
+
+
 def test_hp_linear_uses_it_on_log_prob_paths_only():
     x, w = _xw(6, 24, 32, seed=6)
     x3 = x.reshape(2, 3, 32)

@@ -43,6 +43,25 @@ def test_bf16_logits_are_read_as_their_values():
     assert _same(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("norm,mode,out", [(True, "hf", torch.bfloat16), (False, "vllm", None)])
+def test_route_parts_is_the_sum_pass_then_route(norm, mode, out):
+    from minite.kernels import hp_gemm
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(13, 2048, generator=g).bfloat16()
+    w = (torch.randn(128, 2048, generator=g) * 0.02).bfloat16()
+    parts = hp_gemm.invariant_gemm_parts(x, w, backend="triton")
+    logits = hp_gemm.sum_parts(parts, x.dtype, torch.float32)
+    want = R.route_fused(logits, 8, norm, out or torch.float32, "halves")
+    got = R.route_parts(parts, x.dtype, 8, norm, mode, out, backend="triton")
+    assert _same(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = R.route_parts(parts, x.dtype, 8, norm, mode, out)  # CPU auto: the sum, then torch's ops
+    rref = R.route_reference(logits, 8, norm, mode, out)
+    assert _same(ref[0], rref[0]) and torch.equal(ref[1], rref[1])
+    with pytest.raises(ValueError, match="partial sums"):
+        R.route_parts(logits, x.dtype, 8, norm, mode, out)
+
+
 def test_emulation_picks_torchs_experts_and_sorts_them():
     x = torch.randn(200, 128, generator=torch.Generator().manual_seed(0)) * 3  # fp32: no ties
     w, ids = R.route_emulated(x, 8, False, "vllm")
@@ -97,6 +116,23 @@ def test_gpu_fused_route_is_torchs_ops_bitwise(e, k):
                 assert _same(part[0], want[0][:rows]) and torch.equal(part[1], want[1][:rows])
     verdicts = _probe.verdicts("('route'")
     assert any(v for key, v in verdicts.items() if key[2] == e and key[3] == k), verdicts  # the kernel ran
+
+
+@pytest.mark.gpu
+def test_gpu_route_parts_is_the_router_then_route():
+    from minite.kernels import hp_gemm
+
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(128, 2048, generator=g) * 0.02).bfloat16().cuda()
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 2048, generator=g).bfloat16().cuda()
+        logits = hp_gemm.invariant_gemm(x, w, out_dtype=torch.float32)
+        parts = hp_gemm.invariant_gemm_parts(x, w)
+        assert parts is not None and torch.equal(hp_gemm.sum_parts(parts, x.dtype, torch.float32), logits)
+        for mode, dtype in (("hf", torch.bfloat16), ("vllm", None)):
+            want = R.route_reference(logits, 8, True, mode, dtype)
+            got = R.route_parts(parts, x.dtype, 8, True, mode, dtype)
+            assert _same(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu

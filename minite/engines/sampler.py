@@ -201,10 +201,9 @@ class Sampler:
             gate, up = ops.linear(x2, lw.gate_up, self.recipe, calib, valid, codes=codes).chunk(2, dim=-1)
             return ops.linear(ops.silu_mul(gate, up, self.recipe.non_gemm), lw.down, self.recipe, calib,
                               valid).reshape(b, t, h)
-        logits = ops.linear(x2, lw.router, self.recipe, calib, valid, out_dtype=torch.float32)  # softmax's input
-        weights, idx = ops.route(logits, self.config.num_experts_per_tok, self.config.norm_topk_prob,
-                                 self.recipe.non_gemm, dtype=x.dtype)
-        cap("router_logits", lambda: logits.to(x.dtype).reshape(b, t, -1))  # cast only when captured
+        logits, weights, idx = ops.router(x2, lw.router, self.config.num_experts_per_tok,
+                                          self.config.norm_topk_prob, self.recipe, calib, valid, x.dtype)
+        cap("router_logits", lambda: logits().reshape(b, t, -1))  # made only when captured
         cap("topk", idx.reshape(b, t, -1))
         return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid, codes=codes).reshape(b, t, h)
 

@@ -255,6 +255,22 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
     return out
 
 
+def router(x: torch.Tensor, lin: Lin, top_k: int, norm_topk: bool, recipe: EngineRecipe,
+           calib: Calibrator | None, valid: torch.Tensor | None, dtype: torch.dtype):
+    """x [T, H] -> (logits: a function making the router logits [T, E] in ``dtype``, called for captures
+    only; routing weights [T, k]; expert ids [T, k]): ``linear`` (fp32 storage), then ``route``. Where the
+    invariant GEMM splits K (the router's narrow N), the routing kernel adds its partial sums itself
+    (``kernels.route_parts``): the same bits, one launch fewer a layer."""
+    if not lin.quantized and recipe.hp_gemm == "invariant" and not torch.is_grad_enabled():
+        parts = kernels.invariant_gemm_parts(x, lin.weight)
+        if parts is not None:
+            weights, idx = kernels.route_parts(parts, x.dtype, top_k, norm_topk, recipe.non_gemm, dtype)
+            return (lambda: kernels.sum_parts(parts, x.dtype).to(dtype)), weights, idx
+    logits = linear(x, lin, recipe, calib, valid, out_dtype=torch.float32)  # the softmax's input
+    weights, idx = route(logits, top_k, norm_topk, recipe.non_gemm, dtype)
+    return (lambda: logits.to(dtype)), weights, idx
+
+
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str, dtype: torch.dtype | None = None):
     """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]): fp32 softmax, top-k, optional
     renormalisation, cast to ``dtype`` for "hf" (default the logits'; fp32 logits holding model-dtype values
