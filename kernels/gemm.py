@@ -359,9 +359,9 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     In decode (up to 4 rows per expert and 16 steps) at most 396 CTAs run one wave (BAL): the plain grid's
     schedule while the tiles fit its rows, else the CTAs share the (tile, row group) pairs out evenly
     (``cta_range`` in the kernel), so a routing that makes more tiles than min(M, E) (experts above 8 rows)
-    costs a fraction of a block, not a second wave. H200, 512 routed rows, 128 experts, CUDA-graph medians of
-    five interleaved rounds, bitwise equal, us, fixed grid -> BAL at 128 / 136 / 146 tiles: gate_up 75.0 -> 75.7
-    / 100.6 -> 80.5 / 99.1 -> 81.7; down 41.2 -> 41.6 / 60.3 -> 43.7 / 63.0 -> 46.8.
+    costs a fraction of a block, not a second wave. H200, gate_up 1536x2048 at RG 8, 512 routed rows, 128
+    experts, CUDA-graph medians of five interleaved rounds, bitwise equal, us, fixed grid -> BAL at 128 / 132 /
+    136 / 146 tiles: 76.3 -> 76.4 / 76.1 -> 76.0 / 99.5 -> 82.3 / 98.4 -> 83.6.
     At RG = 1 (one token: 8 rows) the configs from before RG: 4 warps, or for short K (the tile is over before a
     deep ring pays off) 2 warps, a 4-step ring and 2112 CTAs. Under K chunks RG does not apply (one row group
     per tile).
