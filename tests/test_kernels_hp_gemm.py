@@ -92,6 +92,19 @@ def test_parts_summed_are_its_bits():
         hp_gemm.invariant_gemm_parts(x, w[:, :8])
 
 
+def test_hp_linear_parts_only_where_it_runs_the_invariant_gemm(monkeypatch):
+    from minite.engines import gemm as engine_gemm
+
+    x, w = _xw(5, 128, 2048, seed=10)
+    monkeypatch.setattr(engine_gemm.kernels, "invariant_gemm_parts",
+                        lambda x, w: hp_gemm.invariant_gemm_parts(x, w, backend="triton"))
+    with torch.no_grad():
+        parts = engine_gemm.hp_linear_parts(x, w, True)
+        assert torch.equal(hp_gemm.sum_parts(parts, x.dtype), invariant_gemm(x, w, backend="triton"))
+        assert engine_gemm.hp_linear_parts(x, w, False) is None        # a BF16 engine's cuBLAS path
+    assert engine_gemm.hp_linear_parts(x, w, True) is None             # autograd on: cuBLAS
+
+
 def test_hp_linear_uses_it_on_log_prob_paths_only():
     x, w = _xw(6, 24, 32, seed=6)
     x3 = x.reshape(2, 3, 32)

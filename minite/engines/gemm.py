@@ -87,6 +87,18 @@ def nvfp4_linear(x: torch.Tensor, w: nvfp4.NVFP4Tensor, act: QuantSpec, gemm: st
     return y.to(x.dtype).reshape(*lead, w.shape[0])
 
 
+def _runs_invariant(invariant: bool) -> bool:
+    """Whether ``hp_linear`` runs the batch-invariant GEMM: asked for, and no autograd graph being built."""
+    return invariant and not torch.is_grad_enabled()
+
+
+def hp_linear_parts(x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor | None:
+    """``hp_linear(x, weight, invariant)``'s split-K partial sums [S, M, N] (fp32) where it runs the invariant
+    GEMM and that splits K (the router's narrow N), else None. ``kernels.sum_parts(parts, x.dtype)`` is then
+    its output, and the routing kernel adds them itself (``kernels.route_parts``). x [M, K]."""
+    return kernels.invariant_gemm_parts(x, weight) if _runs_invariant(invariant) else None
+
+
 def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A high-precision (BF16) linear: router, lm_head, and every linear of a BF16 engine.
@@ -102,7 +114,7 @@ def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torc
     ``out_dtype`` float32: the same x-dtype values, stored wider (the invariant GEMM writes them so, with no
     cast pass after it: the sampler's logits before their fp32 log-softmax).
     """
-    if invariant and not torch.is_grad_enabled():
+    if _runs_invariant(invariant):
         lead, k = x.shape[:-1], x.shape[-1]
         y = kernels.invariant_gemm(x.reshape(-1, k), weight, bias, out_dtype=out_dtype)
         return y.reshape(*lead, weight.shape[0])

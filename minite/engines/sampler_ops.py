@@ -29,6 +29,7 @@ from minite import kernels, nvfp4
 from minite.engines.arms import EngineRecipe
 from minite.engines.gemm import (
     hp_linear,
+    hp_linear_parts,
     nvfp4_gemm,
     nvfp4_linear,
     qdq_activation,
@@ -261,11 +262,10 @@ def router(x: torch.Tensor, lin: Lin, top_k: int, norm_topk: bool, recipe: Engin
     only; routing weights [T, k]; expert ids [T, k]): ``linear`` (fp32 storage), then ``route``. Where the
     invariant GEMM splits K (the router's narrow N), the routing kernel adds its partial sums itself
     (``kernels.route_parts``): the same bits, one launch fewer a layer."""
-    if not lin.quantized and recipe.hp_gemm == "invariant" and not torch.is_grad_enabled():
-        parts = kernels.invariant_gemm_parts(x, lin.weight)
-        if parts is not None:
-            weights, idx = kernels.route_parts(parts, x.dtype, top_k, norm_topk, recipe.non_gemm, dtype)
-            return (lambda: kernels.sum_parts(parts, x.dtype).to(dtype)), weights, idx
+    parts = None if lin.quantized else hp_linear_parts(x, lin.weight, recipe.hp_gemm == "invariant")
+    if parts is not None:
+        weights, idx = kernels.route_parts(parts, x.dtype, top_k, norm_topk, recipe.non_gemm, dtype)
+        return (lambda: kernels.sum_parts(parts, x.dtype).to(dtype)), weights, idx
     logits = linear(x, lin, recipe, calib, valid, out_dtype=torch.float32)  # the softmax's input
     weights, idx = route(logits, top_k, norm_topk, recipe.non_gemm, dtype)
     return (lambda: logits.to(dtype)), weights, idx
