@@ -25,7 +25,8 @@ are that op's):
     the norm's result for its other readers) and quantizes it. With NORM_J (rows of C = 128 NORM_J, one per
     program) it takes the mean square itself, in torch's order (``_row_square_sum``), and with NORM_RES it
     reads x and the residual (``res_ptr``), forms their sum and stores it (``summed_ptr``, the new residual):
-    the norm in one launch.
+    the norm in one launch. With COMBINE_K (NORM_J only) x's row is first written by the program itself: the
+    experts' combine of ``cy_ptr`` / ``cinv_ptr`` / ``cw_ptr`` (``store_combined_row``).
 
 Arithmetic rules that keep the bits equal to the PyTorch reference:
   * E4M3 rounding is done on fp32 bits; every division is ``div_rn``; no fp8 types in the kernels. The cast
@@ -43,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_fused_ops import _norm_half, _residual_sum, _row_square_sum, _rsqrtf, silu_mul_values
+from ._triton_fused_ops import _norm_half, _residual_sum, _row_square_sum, _rsqrtf, silu_mul_values, store_combined_row
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code reads globals only as constexpr
 #: bit i set where TE's RHT sign vector (minite.nvfp4.RHT_SIGNS) is -1
@@ -147,13 +148,13 @@ def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows
 
 @triton.jit(do_not_specialize=["seed"])
 def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, gsdec_ptr, dq_ptr, bad_ptr, up_ptr,
-                 var_ptr, w_ptr, y_ptr, res_ptr, summed_ptr, R, C, CW, stride_r, stride_c, stride_ur, stride_rr,
-                 rows_per_group, seed, eps, inv_n,
+                 var_ptr, w_ptr, y_ptr, res_ptr, summed_ptr, cy_ptr, cinv_ptr, cw_ptr, R, C, CW, stride_r, stride_c,
+                 stride_ur, stride_rr, stride_cy, rows_per_group, seed, eps, inv_n,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
                  GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, NORM_J: tl.constexpr,
-                 NORM_RES: tl.constexpr):
+                 NORM_RES: tl.constexpr, COMBINE_K: tl.constexpr):
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)
@@ -170,6 +171,9 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         inside = (rows3 < R) & (cols3 < C)
         wv = tl.load(w_ptr + cols3, mask=cols3 < C, other=0.0)
         if NORM_J != 0:  # the mean square here (one row per program, C = 128 NORM_J, unit column stride)
+            if COMBINE_K != 0:  # x's row is the experts' combine, written here first (x contiguous)
+                store_combined_row(x_ptr, pr.to(tl.int64), cy_ptr, stride_cy, cinv_ptr, cw_ptr, C, COMBINE_K,
+                                   NORM == 1, BC)
             # the tile's loads first: in flight beside the mean's (else one more memory latency after them)
             sv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3, mask=inside, other=0.0)
             if NORM_RES:

@@ -292,16 +292,12 @@ def _weighted_scatter_kernel(y, y_stride, perm, weights, prod, N, BLOCK: tl.cons
 
 
 @triton.jit
-def _gather_combine_kernel(y, y_stride, inv, weights, out, N, K: tl.constexpr, HF: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """out[t] = the sum over j < K of y[inv[t K + j]] * weights[t, j] ("hf": each product rounded to y's
+def combine_values(y, y_stride, inv, weights, t, cols, m, K: tl.constexpr, HF: tl.constexpr):
+    """Token t's sum over j < K of y[inv[t K + j], cols] * weights[t, j] ("hf": each product rounded to y's
     dtype; "vllm": fp32), in the order of torch's sum over dim 1 of [T, K, N] (``thread_reduce``: four
-    accumulators from 0.0, accumulator i adding j = i, i + 4, .. in order, then the four in order), rounded
-    once to out's dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < N
-    a0 = tl.zeros([BLOCK], dtype=tl.float32)
+    accumulators from 0.0, accumulator i adding j = i, i + 4, .. in order, then the four in order), in fp32:
+    the combine before its one rounding. ``cols`` any shape (each column's sum involves no other column)."""
+    a0 = tl.zeros(cols.shape, dtype=tl.float32)
     a1 = a0
     a2 = a0
     a3 = a0
@@ -313,4 +309,54 @@ def _gather_combine_kernel(y, y_stride, inv, weights, out, N, K: tl.constexpr, H
         if HF:
             pv = round_to(pv, yv.dtype).to(tl.float32)
         a0, a1, a2, a3 = add_to_accumulator(a0, a1, a2, a3, pv, j)
-    tl.store(out + t * N + cols, round_to(((a0 + a1) + a2) + a3, out.dtype.element_ty), mask=m)
+    return ((a0 + a1) + a2) + a3
+
+
+@triton.jit
+def _gather_combine_kernel(y, y_stride, inv, weights, out, N, K: tl.constexpr, HF: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """out[t] = ``combine_values`` of token t, rounded once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    tl.store(out + t * N + cols, round_to(combine_values(y, y_stride, inv, weights, t, cols, m, K, HF),
+                                          out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def store_combined_row(x, t, y, y_stride, inv, weights, N, K: tl.constexpr, HF: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Row t of x [T, N] (contiguous) = the experts' combine of token t in x's dtype, then a barrier: the
+    program's later loads of the row (in any thread) see it. How a norm takes the combine before it in its own
+    pass: its loads of x stay as they were."""
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    tl.store(x + t * N + cols, round_to(combine_values(y, y_stride, inv, weights, t, cols, m, K, HF),
+                                        x.dtype.element_ty), mask=m)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _norm_row_kernel(x, x_stride, res, res_stride, w, y, res_out, eps, inv_n, cy, cy_stride, cinv, cw,
+                     HAS_RES: tl.constexpr, HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr,
+                     COMBINE_K: tl.constexpr):
+    """A whole RMSNorm of row r (N = 128 J) in one pass: (COMBINE_K: x's row is first made, the experts'
+    combine of ``cy`` / ``cinv`` / ``cw`` with K = COMBINE_K), the residual sum with ``res`` (stored in
+    ``res_out``: rounded to x's dtype, the new residual, for either mode), the mean square in torch's order
+    (``_row_square_sum``), y = the norm's output (``_norm_half``): ``_square_mean_kernel`` then
+    ``_norm_tail_kernel``, bit for bit."""
+    r = tl.program_id(0).to(tl.int64)
+    N: tl.constexpr = 128 * J
+    if COMBINE_K != 0:
+        store_combined_row(x, r, cy, cy_stride, cinv, cw, N, COMBINE_K, HF, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    wv = tl.load(w + cols, mask=m, other=0.0)
+    sv = tl.load(x + r * x_stride + cols, mask=m, other=0.0)  # the row's loads in flight beside the mean's
+    if HAS_RES:
+        rv = tl.load(res + r * res_stride + cols, mask=m, other=0.0)
+    var = _row_square_sum(x + r * x_stride, res + r * res_stride, HAS_RES, HF, J) * inv_n
+    if HAS_RES:
+        sv = _residual_sum(sv, rv, HF)
+        tl.store(res_out + r * N + cols, round_to(sv.to(tl.float32), wv.dtype), mask=m)
+    tl.store(y + r * N + cols, _norm_half(sv, _rsqrtf(var + eps), wv, HF), mask=m)

@@ -11,6 +11,8 @@
         expert, then T*k; inv [T*k]: the sorted place of each (token, k) (perm's inverse)
     combine_experts(y, perm, weights, mode, backend=None, inv=None) -> [T, H]: routed rows y [T*k, H] (sorted by
         expert; perm[i]: row i's place in (token, k) order) weighted by weights [T, k] and summed over k
+    RoutedRows(y, perm, inv, weights, mode, shape): that combine not taken yet; ``rms_norm`` (and
+        ``quantize.quantize_rms_norm``) accept it as x and take the combine in their own pass where they can
 
 ``mode`` is the sampler's non-GEMM numerics (minite.engines.sampler_ops): "hf" rounds to the input dtype
 after every op, as transformers' modules do op by op (the aligned arm's sampler must equal its trainer, an
@@ -23,7 +25,8 @@ rounds, use IEEE division and the CUDA math library's expf / rsqrtf, and are com
 contraction), but a reduction only in torch's own order. So an RMSNorm is two launches instead of eight or
 nine: a pass that writes the (residual-added) input and its mean square, the mean summed in the order of
 torch's mean kernel (below), and one pass for the rest; where that order is not covered, torch's mean runs
-between them on the squares. The experts' combine likewise sums over k in the order of torch's sum.
+between them on the squares. Where the pass takes the mean itself, the whole norm is one pass. The experts'
+combine likewise sums over k in the order of torch's sum; the norm after the experts takes it in its pass.
 
 Every mean has the bits of a torch call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction
 sums a row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,
@@ -46,6 +49,8 @@ for "triton" on CPU). The Triton path needs the weight and cache dtypes the samp
 dtype) and, for qk_norm_rope, a head dim that is a power of two; anything else takes the reference.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -255,12 +260,28 @@ def norm_prologue(x, mode, residual=None):
     return (x2 if summed is None else summed), var, summed
 
 
+def _norm_row_warps(n: int, combine: bool) -> int:
+    """Warps of the one-pass norm (``_norm_row_kernel``); the bits do not depend on them. H200, CUDA-graph
+    medians of three interleaved rounds, 64 rows of 2048 with a residual: 1 / 2 / 4 / 8 warps 6.19 / 4.67 /
+    3.83 / 4.62 us (the square pass and the tail it replaces: 5.46); with the experts' combine (top-8) in the
+    pass 2 / 4 / 8 warps 10.63 / 6.93 / 5.99 (the combine pass and the norm: 7.33)."""
+    return 8 if combine and n >= 2048 else 4
+
+
 def rms_norm(x, weight, eps, mode, residual=None, backend=None):
-    """See the module docstring."""
+    """See the module docstring. ``x``: a tensor, or ``RoutedRows`` (the combine taken in the norm's pass where
+    the one-pass norm runs and the combine's own one-pass conditions hold; else taken first)."""
     _check_mode(mode)
-    if not _use_triton(backend, x) or weight.dtype != x.dtype or x.shape[-1] != weight.shape[0] or \
-            (residual is not None and residual.dtype != x.dtype):
+    routed = isinstance(x, RoutedRows)
+    ok = (_use_triton(backend, x.y if routed else x) and weight.dtype == x.dtype and x.shape[-1] == weight.shape[0]
+          and (residual is None or residual.dtype == x.dtype))
+    one_pass = ok and mean_in_pass(x.shape[-1], x.device)
+    if routed and not (one_pass and x.mode == mode and x.fusable()):
+        x, routed = x.value(), False
+    if not ok:
         return rms_norm_reference(x, weight, eps, mode, residual)
+    if one_pass:
+        return _rms_norm_one_pass(x, weight, eps, mode, residual)
     from ._triton_fused_ops import _norm_tail_kernel
 
     hf = mode == "hf"
@@ -275,6 +296,31 @@ def rms_norm(x, weight, eps, mode, residual=None, backend=None):
     if residual is None:
         return y
     return y, new_res.view(x.shape)
+
+
+def _rms_norm_one_pass(x, weight, eps, mode, residual):
+    """``rms_norm`` as one launch (``_norm_row_kernel``) where the square pass takes the mean itself: the same
+    helpers, hence the same bits, as the square pass and the tail; x may be ``RoutedRows``."""
+    from ._triton_fused_ops import _norm_row_kernel
+
+    n = x.shape[-1]
+    if isinstance(x, RoutedRows):  # the pass writes the combine's rows here first
+        x2 = torch.empty(x.y.shape[0] // x.weights.shape[1], n, device=x.device, dtype=x.dtype)
+        comb = (x.y, x.y.stride(0), x.inv, x.weights.contiguous(), x.weights.shape[1])
+    else:
+        x2 = x.reshape(-1, n) if x.stride(-1) == 1 else x.contiguous().view(-1, n)
+        comb = (x2, 0, x2, x2, 0)
+    res2 = None if residual is None else residual.reshape(-1, n)
+    if res2 is not None and res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    new_res = None if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if x2.shape[0]:
+        _launch(_norm_row_kernel, (x2.shape[0],), x2, x2.stride(0), x2 if res2 is None else res2,
+                0 if res2 is None else res2.stride(0), weight, y, y if new_res is None else new_res, eps,
+                row_mean_factor(n), *comb[:4], HAS_RES=res2 is not None, HF=mode == "hf", J=n // 128,
+                BLOCK=_block(n), COMBINE_K=comb[4], num_warps=_norm_row_warps(n, comb[4] != 0))
+    return y if residual is None else (y, new_res)
 
 
 def qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=None, backend=None):
@@ -420,24 +466,63 @@ def combine_in_one_pass(y, weights, mode) -> bool:
     return _probe.proven(("combine", k, y.shape[1], y.dtype, weights.dtype, mode), y.device, probe)
 
 
+def _combine_on_triton(y, weights, mode, backend) -> bool:
+    return (_use_triton(backend, y) and y.stride(-1) == 1
+            and weights.dtype in ((y.dtype,) if mode == "hf" else (y.dtype, torch.float32)))
+
+
+def _gathered(y, weights, mode, inv) -> bool:
+    """Whether the combine runs as one gathered pass (``_gather_combine``) on the Triton path."""
+    return inv is not None and y.dtype in (torch.bfloat16, torch.float16) and combine_in_one_pass(y, weights, mode)
+
+
 def combine_experts(y, perm, weights, mode, backend=None, inv=None):
     """See the module docstring. With ``inv`` (``sort_by_expert(..., inverse=True)``), on CUDA: one gathered
     pass in torch's order of the sum, once the probe has matched it to torch here; else a weighted scatter
     and torch's sum."""
     _check_mode(mode)
-    if not _use_triton(backend, y) or y.stride(-1) != 1 or weights.dtype not in (y.dtype, torch.float32):
+    if not _combine_on_triton(y, weights, mode, backend):
         return combine_experts_reference(y, perm, weights, mode)
     from ._triton_fused_ops import _weighted_scatter_kernel
 
     t, k = weights.shape
     s, h = y.shape
     prod_dtype = y.dtype if mode == "hf" else torch.float32
-    if mode == "hf" and weights.dtype != y.dtype:
-        return combine_experts_reference(y, perm, weights, mode)
-    if inv is not None and y.dtype in (torch.bfloat16, torch.float16) and combine_in_one_pass(y, weights, mode):
+    if _gathered(y, weights, mode, inv):
         return _gather_combine(y, inv, weights, mode)
     prod = torch.empty(t, k, h, device=y.device, dtype=prod_dtype)
     if s:
         _launch(_weighted_scatter_kernel, (s, _cdiv(h, 1024)), y, y.stride(0), perm,
                 weights.contiguous(), prod, h, BLOCK=1024)
     return prod.sum(dim=1).to(y.dtype)  # torch's reduction over k, as the reference's
+
+
+class RoutedRows(NamedTuple):
+    """The experts' outputs per routed row with their combine not taken yet: ``value()`` is ``combine_experts(y,
+    perm, weights, mode, inv=inv)`` viewed as ``shape`` (in y's dtype). The norm that reads the combine
+    takes it in its own pass where ``fusable`` (one launch less); every other reader asks for ``value()``."""
+    y: torch.Tensor
+    perm: torch.Tensor
+    inv: torch.Tensor
+    weights: torch.Tensor
+    mode: str
+    shape: tuple
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.y.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.y.device
+
+    def value(self) -> torch.Tensor:
+        return combine_experts(self.y, self.perm, self.weights, self.mode, inv=self.inv).view(self.shape)
+
+    def reshape(self, *shape) -> RoutedRows:
+        return self._replace(shape=tuple(torch.empty(self.shape, device="meta").view(*shape).shape))
+
+    def fusable(self) -> bool:
+        """Whether a pass may compute the combine as ``combine_experts`` would: its gathered one-pass path."""
+        return _combine_on_triton(self.y, self.weights, self.mode, None) and _gathered(
+            self.y, self.weights, self.mode, self.inv)

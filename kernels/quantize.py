@@ -155,13 +155,14 @@ def _draw_seed(generator) -> int:
 
 def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_encode_scale=None,
           rounding="nearest", rht=False, generator=None, check=True, width=None, gather=None, groups=1,
-          codes=True, dq_dtype=None, silu=None, norm=None, norm_residual=None) -> _Cast:
+          codes=True, dq_dtype=None, silu=None, norm=None, norm_residual=None, combine=None) -> _Cast:
     """Formula "te" or "vllm" through the Triton kernels: x any strided 2D view, the operand per (width,
     gather), ``groups`` row groups with their own tensor amax (tensor scaling). ``silu`` (up, mode): the
     operand is SiLU(x) * up (``quantize_silu_mul`` says where this is taken). ``norm`` (var, weight, eps,
     mode, y): the operand is the RMSNorm of x's rows, also stored in y (``quantize_rms_norm``); var None: the
     cast takes the mean itself (rows of 128 J, one per program), of x + residual with ``norm_residual``
-    (residual, summed: where the sum goes)."""
+    (residual, summed: where the sum goes); ``combine`` (``fused_ops.RoutedRows``, with var None): x's rows
+    (contiguous) are first written by the pass itself, the experts' combine."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -178,6 +179,8 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
         if not (bc >= cw == c and c % 128 == 0 and x.stride(1) == 1 and gather is None):
             raise ValueError("the cast takes a norm's mean only over whole rows of 128 J unit-stride columns")
         br, norm_j, inv_n, grid = 1, c // 128, row_mean_factor(c), (r, 1)
+    if combine is not None and not (norm_j and x.is_contiguous() and combine.y.stride(-1) == 1):
+        raise ValueError("the cast takes the experts' combine only with the norm's mean, into contiguous rows")
     planes = (formula == "te" and not tile16 and scaling == "tensor" and x.stride(0) == 1 and x.stride(1) != 1
               and r > 1)
     if planes:
@@ -234,17 +237,19 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
         up = x if silu is None else silu[0]
         var, w, eps, norm_mode, y = norm if norm is not None else (dummy, x, 0.0, None, x)
         res, summed = norm_residual if norm_residual is not None and norm_residual[0] is not None else (x, x)
+        comb = ((combine.y, combine.inv, combine.weights.contiguous(), combine.y.stride(0), combine.weights.shape[1])
+                if combine is not None else (x, x, x, 0, 0))
         K._cast_kernel[grid](
             x, gather_t, amax_t if amax_t is not None else dummy,
             out_codes if codes else dummy, out_scales.view(torch.uint8) if codes else dummy,
             sdec_rows if sdec_rows is not None else dummy, sdec_groups,
             (dq.view(torch.int16) if dq_dtype == torch.bfloat16 else dq) if dq is not None else dummy, bad, up,
-            var if var is not None else dummy, w, y, res, summed, *common, up.stride(0), res.stride(0), rpg, seed,
-            eps, inv_n, BR=br, BC=bc, GATHER=gather is not None,
+            var if var is not None else dummy, w, y, res, summed, *comb[:3], *common, up.stride(0), res.stride(0),
+            comb[3], rpg, seed, eps, inv_n, BR=br, BC=bc, GATHER=gather is not None,
             RHT=rht_mode, TILE16=tile16,
             SILU_MUL=K.SILU_NONE if silu is None else {"hf": K.SILU_HF, "vllm": K.SILU_VLLM}[silu[1]],
             NORM=K.NORM_NONE if norm is None else {"hf": K.NORM_HF, "vllm": K.NORM_VLLM}[norm_mode],
-            NORM_J=norm_j, NORM_RES=norm_j != 0 and res is not x,
+            NORM_J=norm_j, NORM_RES=norm_j != 0 and res is not x, COMBINE_K=comb[4],
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
             DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
@@ -326,7 +331,7 @@ def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: 
     return _to_nvfp4(_cast(gate, check=check, silu=(up, mode), **kw), scaling)
 
 
-def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str,
+def quantize_rms_norm(x, weight: torch.Tensor, eps: float, mode: str,
                       residual: torch.Tensor | None = None, formula: str = "te", tile=(1, 16),
                       scaling: str = "tensor", amax=None, global_encode_scale=None, check: bool = True,
                       backend: str | None = None) -> tuple:
@@ -336,25 +341,33 @@ def quantize_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: s
     readers): formula "te" / "vllm", 1x16 blocks, row scaling of rows one program holds or static scaling,
     BF16 / FP16 x with the weight in its dtype, and no residual in mode "vllm" (whose last pass also rounds
     the residual); else the two calls. With row scaling of rows of 128 J whose square pass would take the mean
-    itself (``fused_ops.mean_in_pass``), the cast takes it too: the whole norm in one launch."""
-    from .fused_ops import _check_mode, mean_in_pass, norm_prologue, norm_rows, rms_norm
+    itself (``fused_ops.mean_in_pass``), the cast takes it too: the whole norm in one launch. ``x`` may be
+    ``fused_ops.RoutedRows``: that one launch then also takes the experts' combine (where it is ``fusable``)."""
+    from .fused_ops import RoutedRows, _check_mode, mean_in_pass, norm_prologue, norm_rows, rms_norm
     _check_mode(mode)
     kw = _producer_kwargs(formula, tile, scaling, amax, global_encode_scale)
-    fused = (_producer_fits(x, formula, tile, scaling, backend) and x.dim() >= 2 and weight.dtype == x.dtype
-             and tuple(weight.shape) == tuple(x.shape[-1:])
+    routed = isinstance(x, RoutedRows)
+    fused = (_producer_fits(x.y if routed else x, formula, tile, scaling, backend) and len(x.shape) >= 2
+             and weight.dtype == x.dtype and tuple(weight.shape) == tuple(x.shape[-1:])
              and (residual is None or (mode == "hf" and residual.dtype == x.dtype)))
+    n = x.shape[-1]
+    whole = fused and scaling == "row" and n % 128 == 0 and mean_in_pass(n, x.device)  # the norm in the cast
+    if routed and not (whole and x.mode == mode and x.fusable()):
+        x, routed = x.value(), False
     if not fused:
         out = rms_norm(x, weight, eps, mode, residual=residual, backend=backend)
         y = out if residual is None else out[0]
         a = quantize(y.reshape(-1, y.shape[-1]), check=check, backend=backend, **kw)
         return (y, a) if residual is None else (y, out[1], a)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    n = x.shape[-1]
-    if scaling == "row" and n % 128 == 0 and mean_in_pass(n, x.device):  # the whole norm in the cast
+    if whole:
+        combine = None
+        if routed:  # the cast writes the combine's rows here first
+            combine, x = x, torch.empty(x.shape, device=x.device, dtype=x.dtype)
         x2, res2, summed = norm_rows(x, mode, residual)
         _validate(x2, None, None, **kw)
         cast = _cast(x2, check=check, norm=(None, weight.contiguous(), eps, mode, y), norm_residual=(res2, summed),
-                     **kw)
+                     combine=combine, **kw)
     else:
         src, var, summed = norm_prologue(x, mode, residual)
         _validate(src, None, None, **kw)

@@ -255,12 +255,15 @@ def compile_sm90() -> int:
                                                       SDEC_ROWS=silu == K.SILU_HF, SILU_MUL=silu,
                                                       FORMULA=K.FORMULA_TE if silu == K.SILU_HF else K.FORMULA_VLLM,
                                                       GIVEN_G=silu == K.SILU_VLLM)))
-    for norm, norm_j, norm_res in ((K.NORM_HF, 0, False), (K.NORM_VLLM, 0, False), (K.NORM_HF, 32, False),
-                                   (K.NORM_HF, 32, True), (K.NORM_VLLM, 32, False)):
-        # a linear's input: the RMSNorm's last pass in the cast (NORM_J: the whole norm, its mean included)
+    for norm, norm_j, norm_res, comb in ((K.NORM_HF, 0, False, 0), (K.NORM_VLLM, 0, False, 0),
+                                         (K.NORM_HF, 32, False, 0), (K.NORM_HF, 32, True, 0),
+                                         (K.NORM_VLLM, 32, False, 0), (K.NORM_HF, 32, True, 8)):
+        # a linear's input: the RMSNorm's last pass in the cast (NORM_J: the whole norm, its mean included;
+        # COMBINE_K: the experts' combine before it, in the same pass)
         variants.append(("cast", "*bf16", "rows", dict(RHT=0, STOCHASTIC=False, CODES=True, DQ=0, GATHER=False,
                                                       TILE16=False, ROW_AMAX=True, CHECK=False, SDEC_ROWS=True,
-                                                      NORM=norm, NORM_J=norm_j, NORM_RES=norm_res)))
+                                                      NORM=norm, NORM_J=norm_j, NORM_RES=norm_res,
+                                                      COMBINE_K=comb)))
     for kind, xdt, layout, c in variants:
         fn = K._cast_kernel if kind == "cast" else K._amax_kernel
         view = (torch.empty(4096, 2048, device="meta").t() if layout == "T"
@@ -270,12 +273,13 @@ def compile_sm90() -> int:
                       **({"stride_r": 1} if layout == "T" else {"stride_c": 1}))
         if kind == "cast":
             for key, default in (("SILU_MUL", K.SILU_NONE), ("NORM", K.NORM_NONE), ("FORMULA", K.FORMULA_TE),
-                                 ("GIVEN_G", False), ("NORM_J", 0), ("NORM_RES", False)):
+                                 ("GIVEN_G", False), ("NORM_J", 0), ("NORM_RES", False), ("COMBINE_K", 0)):
                 consts.setdefault(key, default)
         types = dict(x_ptr=xdt, up_ptr=xdt, gather_ptr="*i32", amax_ptr="*fp32" if kind == "cast" else "*i32",
                      codes_ptr="*u8", scales_ptr="*u8", sdec_ptr="*fp32", gsdec_ptr="*fp32",
                      dq_ptr="*i16" if c.get("DQ") == K.DQ_BF16 else "*fp32", bad_ptr="*i32", seed="i32",
-                     var_ptr="*fp32", w_ptr=xdt, y_ptr=xdt, res_ptr=xdt, summed_ptr=xdt, eps="fp32", inv_n="fp32")
+                     var_ptr="*fp32", w_ptr=xdt, y_ptr=xdt, res_ptr=xdt, summed_ptr=xdt, eps="fp32", inv_n="fp32",
+                     cy_ptr=xdt, cinv_ptr="*i64", cw_ptr=xdt)
         # pointers and the sizes / strides Triton sees as multiples of 16 at learner shapes
         ptrs = tuple(n for n in fn.arg_names if types.get(n, "").startswith("*") or
                      (n in ("C", "CW", "stride_r", "stride_c") and n not in consts))

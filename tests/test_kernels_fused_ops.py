@@ -262,6 +262,53 @@ def test_norms_with_means_in_the_pass_equal_the_emulated_reference(monkeypatch, 
         _same(g, r)
 
 
+def _routed(mode, t, k, n, seed, device="cpu"):
+    """(RoutedRows of t tokens x k experts, their combine): the experts' rows of wide magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)]).to(device)
+    perm, _, _, inv = F.sort_by_expert_reference(ids, 16, inverse=True)
+    y = _rand((t * k, n), seed, device, spread=8.0)
+    w = torch.rand(t, k, generator=g).to(device, torch.bfloat16 if mode == "hf" else torch.float32)
+    combined = F.combine_experts_emulated(y, inv, w, mode) if device == "cpu" else \
+        F.combine_experts_reference(y, perm, w, mode)
+    return F.RoutedRows(y, perm, inv, w, mode, (t, 1, n)), combined.view(t, 1, n)
+
+
+def _launches(monkeypatch):
+    names = []
+    launch = F._launch
+    monkeypatch.setattr(F, "_launch", lambda kernel, *a, **k: names.append(kernel.fn.__name__) or launch(kernel, *a,
+                                                                                                         **k))
+    return names
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_norm_takes_the_experts_combine_in_its_one_pass(monkeypatch, mode):
+    """With the mean in the pass (forced on, the interpreter) a norm is one launch, and given the experts'
+    ``RoutedRows`` (the one-pass combine forced on too) that launch takes their combine first: the norm of
+    the emulated combine, bitwise, with and without a residual."""
+    monkeypatch.setenv("MINITE_KERNELS_BACKEND", "triton")
+    monkeypatch.setattr(F, "mean_in_pass", lambda n, device: n % 128 == 0)
+    torch_mean = F.row_mean
+    monkeypatch.setattr(F, "row_mean", lambda t: F.row_mean_emulated(t.reshape(-1, t.shape[-1])).reshape(
+        *t.shape[:-1], 1))
+    monkeypatch.setattr(F, "combine_in_one_pass", lambda y, w, mode: True)
+    names = _launches(monkeypatch)
+    routed, combined = _routed(mode, 5, 6, 256, 1)
+    w, res = _rand((256,), 2), _rand((5, 1, 256), 3, spread=4.0)
+    _same(F.rms_norm(routed, w, 1e-6, mode), F.rms_norm_reference(combined, w, 1e-6, mode))
+    for g, r in zip(F.rms_norm(routed, w, 1e-6, mode, residual=res),
+                    F.rms_norm_reference(combined, w, 1e-6, mode, residual=res), strict=True):
+        _same(g, r)
+    assert names == ["_norm_row_kernel"] * 2
+    names.clear()  # a width the pass's mean does not cover: the combine first, then the two-pass norm
+    monkeypatch.setattr(F, "row_mean", torch_mean)
+    routed, combined = _routed(mode, 3, 2, 96, 4)
+    _same(F.rms_norm(routed, w[:96], 1e-6, mode), F.rms_norm_reference(combined, w[:96], 1e-6, mode))
+    assert names[0] == "_gather_combine_kernel" and "_norm_row_kernel" not in names
+    assert routed.reshape(-1, 96).shape == (3, 96)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_square_pass_means_are_torchs():
@@ -309,3 +356,20 @@ def test_gpu_one_pass_combine_is_torchs(mode):
         _same(F.combine_experts_emulated(y, inv, w, mode), want)
         assert F.combine_in_one_pass(y, w, mode)
         _same(F.combine_experts(y, perm, w, mode, inv=inv), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_one_pass_norm_and_the_combine_in_it(mode):
+    """On the GPU at Qwen3-30B-A3B's width: the one-pass norm is the reference, and given the experts' rows
+    it takes their combine (torch's sum over k) in the same launch, bitwise."""
+    for t, seed in ((64, 0), (7, 1), (300, 2)):
+        _check_rms_norm(mode, t, 2048, "cuda", seed=seed)
+        routed, combined = _routed(mode, t, 8, 2048, seed, "cuda")
+        assert routed.fusable()
+        w, res = _rand((2048,), seed + 1, "cuda"), _rand((t, 1, 2048), seed + 2, "cuda", spread=4.0)
+        _same(F.rms_norm(routed, w, 1e-6, mode), F.rms_norm_reference(combined, w, 1e-6, mode))
+        for g, r in zip(F.rms_norm(routed, w, 1e-6, mode, residual=res),
+                        F.rms_norm_reference(combined, w, 1e-6, mode, residual=res), strict=True):
+            _same(g, r)

@@ -232,8 +232,41 @@ def test_rms_norm_cast_with_its_mean_is_the_emulated_reference(monkeypatch):
     monkeypatch.setattr(fused_ops, "square_mean", lambda *a: square_means.append(1) or square_mean(*a))
     res = checks.check_rms_norm_quantizers(torch.device("cpu"), backend="triton", rows=19, hidden=256)
     assert len(res) == 14 and all(ok for _, ok, _ in res), [r for r in res if not r[1]]
-    # 7 cases x 2 row counts; the 3 fused row-scaling cases (vllm with a residual is not fused) take no pass
-    assert len(square_means) == 8
+    # 7 cases x 2 row counts; only the 2 static-scaling casts (their norm's prologue) take the square pass: the
+    # fused row-scaling ones and the two-call fallbacks (``rms_norm``, one pass) do not
+    assert len(square_means) == 4
+
+
+@pytest.mark.parametrize("mode,residual", [("hf", True), ("hf", False), ("vllm", False)])
+def test_rms_norm_cast_takes_the_experts_combine(monkeypatch, mode, residual):
+    """Given the experts' ``RoutedRows`` (the mean in the pass and the one-pass combine forced on, the
+    interpreter) the cast writes their combine and normalises it in its one launch: every output bitwise
+    ``quantize_rms_norm`` of the combine itself; anything the cast does not take ("vllm" with a residual)
+    gets the combine first."""
+    monkeypatch.setenv("MINITE_KERNELS_BACKEND", "triton")
+    monkeypatch.setattr(fused_ops, "mean_in_pass", lambda n, device: n % 128 == 0)
+    monkeypatch.setattr(fused_ops, "combine_in_one_pass", lambda y, w, mode: True)
+    g = torch.Generator().manual_seed(5)
+    t, k, n = 6, 4, 256
+    ids = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(t)])
+    perm, _, _, inv = fused_ops.sort_by_expert_reference(ids, 16, inverse=True)
+    y = spread_input(t * k, n, "cpu", torch.bfloat16, seed=6)
+    w = torch.rand(t, k, generator=g).to(torch.bfloat16 if mode == "hf" else torch.float32)
+    combined = fused_ops.combine_experts_emulated(y, inv, w, mode).view(t, 1, n)
+    routed = fused_ops.RoutedRows(y, perm, inv, w, mode, (t, 1, n))
+    weight = spread_input(1, n, "cpu", torch.bfloat16, seed=7)[0].abs() + 0.5
+    r = spread_input(t, n, "cpu", torch.bfloat16, seed=8).view(t, 1, n) if residual else None
+    values = []
+    monkeypatch.setattr(fused_ops.RoutedRows, "value", lambda self: values.append(1) or combined)
+    got = quantize_rms_norm(routed, weight, 1e-6, mode, r, scaling="row")
+    assert not values  # taken in the cast
+    want = quantize_rms_norm(combined, weight, 1e-6, mode, r, scaling="row")
+    for a, b in zip(got[:-1], want[:-1], strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert same_nvfp4(got[-1], want[-1])
+    rv = spread_input(t, n, "cpu", torch.bfloat16, seed=9).view(t, 1, n)
+    quantize_rms_norm(routed._replace(mode="vllm"), weight, 1e-6, "vllm", rv, scaling="row")
+    assert values  # not fused: the combine taken first
 
 
 def test_rms_norm_cast_has_no_separate_norm_tail(monkeypatch):

@@ -205,11 +205,13 @@ class Sampler:
                                           self.config.norm_topk_prob, self.recipe, calib, valid, x.dtype)
         cap("router_logits", lambda: logits().reshape(b, t, -1))  # made only when captured
         cap("topk", idx.reshape(b, t, -1))
-        return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid, codes=codes).reshape(b, t, h)
+        # the k-sum left to the next norm, which takes it in its own pass (a tensor for any other reader)
+        return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid, codes=codes, deferred_shape=(b, t, h))
 
     def _layers(self, ids, pos, slots, decode=None, capture=None, calib=None, valid=None):
         """ids [B, T] at positions pos [B, T] of cache slots [B] -> (residual stream, last block's output)
-        [B, T, H], before the final norm. ``capture(layer, op, positions, tensor)``: module docstring."""
+        [B, T, H], before the final norm (the output: a tensor, or the experts' ``RoutedRows`` with their k-sum
+        left to that norm). ``capture(layer, op, positions, tensor)``: module docstring."""
         w = self.weights
         mode = self.recipe.non_gemm
         h = F.embedding(ids, w.embed)
@@ -227,18 +229,21 @@ class Sampler:
             a = self._attention(li, lw, x, pos, slots, rope, decode, calib, valid, codes)
             cap("attn_out", a)
             x, h, codes = ops.rms_norm_for_linears(a, lw.post_norm, self.eps, self.recipe, h, calib)
-            pending = self._mlp(lw, x, calib, valid, cap, codes)
-            cap("moe_out", pending)
+            pending = self._mlp(lw, x, calib, valid, cap, codes)  # a tensor, or the experts' rows (ops.moe)
+            cap("moe_out", lambda _p=pending: ops.value(_p))
             if capture is not None:  # the layer's output residual stream, as the next fused op will store it
-                cap("residual", h + pending if mode == "hf" else (h.float() + pending.float()).to(h.dtype))
+                out = ops.value(pending)
+                cap("residual", h + out if mode == "hf" else (h.float() + out.float()).to(h.dtype))
         return h, pending
 
     def _logits(self, h, pending, rows=None, calib=None, valid=None, out_dtype=None):
         """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden.
         ``out_dtype`` float32: the model-dtype logits' values, stored wider (for the fp32 log-softmax)."""
-        hs, ps = h.reshape(-1, self.hidden), pending.reshape(-1, self.hidden)
-        if rows is not None:
-            hs, ps = hs[rows], ps[rows]
+        hs = h.reshape(-1, self.hidden)
+        if rows is not None:  # the last block's output taken whole (its k-sum too), then the selected rows
+            hs, ps = hs[rows], ops.value(pending).reshape(-1, self.hidden)[rows]
+        else:
+            ps = pending.reshape(-1, self.hidden)
         x, _ = ops.add_rms_norm(ps, hs, self.weights.norm, self.eps, self.recipe.non_gemm)
         return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid, out_dtype=out_dtype)
 

@@ -47,9 +47,10 @@ ATTENTION_NUMERICS = ("fast", "invariant")  # decode_attention: BF16 SDPA (sdpa 
 # ------------------------------------------------------------------------------------------- norms / act
 # Each op is ``minite.kernels.fused_ops``: fused Triton passes on CUDA, bit for bit the op-by-op reference
 # (which is what runs on CPU); their sums in torch's own orders (torch's kernels, or passes that reproduce them).
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
+def add_rms_norm(x, residual: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
     """(norm(residual + x), residual + x). "hf": BF16 add, then the norm of the rounded sum (transformers'
-    decoder layer); "vllm": the sum stays fp32 inside the fused op, only the stored residual is rounded."""
+    decoder layer); "vllm": the sum stays fp32 inside the fused op, only the stored residual is rounded. x: a
+    tensor or the experts' ``RoutedRows`` (then their combine)."""
     return fused_ops.rms_norm(x, weight, eps, mode, residual=residual)
 
 
@@ -60,12 +61,13 @@ def norm_codes_reused(recipe: EngineRecipe, calib: Calibrator | None) -> bool:
     return calib is None and recipe.gemm == "kernel" and recipe.activations.scaling == "row"
 
 
-def rms_norm_for_linears(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe: EngineRecipe,
+def rms_norm_for_linears(x, weight: torch.Tensor, eps: float, recipe: EngineRecipe,
                          residual: torch.Tensor | None = None, calib: Calibrator | None = None):
     """(y, residual + x or None, y's codes or None): ``rms_norm`` / ``add_rms_norm`` for a norm whose output
     NVFP4 linears read next. Where ``norm_codes_reused``, the norm's last pass is their activation cast
     (``kernels.quantize_rms_norm``, bit for bit the two calls; one launch less) and the linears take the codes
-    (``linear(..., codes=)``, ``moe(..., codes=)``); else codes is None and each linear quantizes y."""
+    (``linear(..., codes=)``, ``moe(..., codes=)``); else codes is None and each linear quantizes y. x: a
+    tensor or the experts' ``RoutedRows`` (their combine taken in the norm's pass where it can be)."""
     mode = recipe.non_gemm
     if not norm_codes_reused(recipe, calib):
         out = fused_ops.rms_norm(x, weight, eps, mode, residual=residual)
@@ -281,10 +283,12 @@ def route(logits: torch.Tensor, top_k: int, norm_topk: bool, mode: str, dtype: t
 
 def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Tensor, recipe: EngineRecipe,
         calib: Calibrator | None = None, valid: torch.Tensor | None = None,
-        codes: nvfp4.NVFP4Tensor | None = None) -> torch.Tensor:
+        codes: nvfp4.NVFP4Tensor | None = None, deferred_shape: tuple | None = None):
     """Routed experts for tokens x [T, H]: rows sorted by expert, two grouped GEMMs, weighted k-sum. The
     sort and the expert offsets stay on the device (bincount would read its size back). ``codes``: x's codes
-    (``rms_norm_for_linears``), which the gate_up GEMM reads."""
+    (``rms_norm_for_linears``), which the gate_up GEMM reads. ``deferred_shape``: the k-sum is not taken
+    here; the result is ``fused_ops.RoutedRows`` of that shape, for the next norm to take in its pass
+    (``value()`` for any other reader)."""
     perm, rows, offsets, inv = fused_ops.sort_by_expert(idx, experts.num_experts, inverse=True)  # stable, by expert
     vrows = None if valid is None else valid[rows]
     stacked = experts.stacked if calib is None else {}
@@ -295,7 +299,15 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
                        f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
                        experts.act_scale.get("down"), silu_mode=recipe.non_gemm)  # input SiLU(gate) * up
     # back to (token, k) order, weighted and summed over k (transformers' grouped_mm experts for "hf")
-    return fused_ops.combine_experts(y, perm, weights, recipe.non_gemm, inv=inv).to(x.dtype)
+    if deferred_shape is not None and y.dtype == x.dtype:
+        return fused_ops.RoutedRows(y, perm, inv, weights, recipe.non_gemm, tuple(deferred_shape))
+    out = fused_ops.combine_experts(y, perm, weights, recipe.non_gemm, inv=inv).to(x.dtype)
+    return out if deferred_shape is None else out.view(deferred_shape)
+
+
+def value(x):
+    """A tensor, or a ``fused_ops.RoutedRows``'s combine."""
+    return x.value() if isinstance(x, fused_ops.RoutedRows) else x
 
 
 # ------------------------------------------------------------------------------------------------ attention
