@@ -19,7 +19,9 @@ exact pure PyTorch on CPU.
         minite.nvfp4.dequantize(t).to(out_dtype), bit for bit, one Triton pass on the GPU.
     nvfp4_gemm(a, w, out_dtype=torch.bfloat16, bias=None, backend=None) -> [M, N]
         a @ w.T for NVFP4Tensors a [M, K], w [N, K]; batch invariant and deterministic.
-    prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes).
+    prepare_weight(w) -> PreparedWeight   one-time fp16 re-layout for large-M speed (4x the packed bytes);
+        also read at 17-64 decode rows by wide weights (``gemm.F16_DECODE_MIN_M``).
+        ``dense_weight_bytes(w, m)``: what a call of m rows reads.
     prepare_experts(ws) -> NVFP4Experts   stacked + pre-decoded fp16 experts (fast large-M grouped path).
     decode_layout(w or ws) -> PreparedWeight / NVFP4Experts   the codes also in the CUDA decode kernel's
         fragment order (a sampler's decode-time weights: one contiguous read per warp step; same bits).
@@ -59,7 +61,7 @@ exact pure PyTorch on CPU.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
-from .gemm import grouped_nvfp4_gemm, nvfp4_gemm
+from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm
 from .weights import (NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts, prepare_weight,
                       stack_experts)
 from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
@@ -73,7 +75,7 @@ from .log_softmax import LogSoftmaxRows, log_softmax_rows
 from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
-           "dequantize", "nvfp4_gemm",
+           "dequantize", "nvfp4_gemm", "dense_weight_bytes",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",

@@ -8,7 +8,7 @@ import torch
 
 from minite import nvfp4 as ref
 
-from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
+from .gemm import grouped_nvfp4_gemm, nvfp4_gemm, prepare_weight, stack_experts
 from .quantize import (
     MAX_KP,
     dequantize,
@@ -19,6 +19,7 @@ from .quantize import (
     quantize_silu_mul,
     quantize_weight_groups,
 )
+from .weights import decode_layout
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -239,6 +240,7 @@ def check_batch_invariance(device, backend=None, m_big=16384, n=1024, k=2048):
     res = []
     a = quantize(torch.randn(m_big, k, device=device), scaling="row")
     w = quantize(torch.randn(n, k, device=device))
+    pw = decode_layout(prepare_weight(w, backend=backend), backend=backend)
     for dt in (torch.float32, torch.bfloat16):
         full = nvfp4_gemm(a, w, out_dtype=dt, backend=backend)
         again = nvfp4_gemm(a, w, out_dtype=dt, backend=backend)
@@ -252,6 +254,16 @@ def check_batch_invariance(device, backend=None, m_big=16384, n=1024, k=2048):
             if not torch.equal(part, full[lo:lo + size]):
                 bad.append(f"rows {lo}:{lo + size}")
         res.append((f"batch invariance M in 1..{m_big} {str(dt)[6:]}", not bad, ", ".join(bad) or "bitwise equal"))
+        # the prepared forms a sampler reads (fp16 copy at 17-64 rows, fragment-order codes at <= 16, the copy
+        # above): the same rows
+        bad = []
+        for lo, size in ((0, 1), (9, 16), (0, 17), (7, 33), (100, 64), (3, 65), (0, 4096)):
+            if lo + size > m_big:
+                continue
+            sub = ref.NVFP4Tensor(a.codes[lo:lo + size], a.scales[lo:lo + size], a.global_scale[lo:lo + size])
+            if not torch.equal(nvfp4_gemm(sub, pw, out_dtype=dt, backend=backend), full[lo:lo + size]):
+                bad.append(f"rows {lo}:{lo + size}")
+        res.append((f"prepared weight M in 1..4096 {str(dt)[6:]}", not bad, ", ".join(bad) or "bitwise equal"))
     return res
 
 

@@ -83,6 +83,14 @@ BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant=
 # Up to CUDA_MAX_M token rows the CUDA decode kernel serves (where it is built and proven): it streams the
 # packed weight once per 8 * NT tokens; above, the tensor-core-bound Triton configs win.
 CUDA_MAX_M = 64
+# From F16_DECODE_MIN_M + 1 to CUDA_MAX_M token rows, a weight of at least F16_DECODE_MIN_N rows that comes with
+# its fp16 copy (``prepare_weight``) is read as that copy by a plain fp16 GEMM (``f16_decode_config``, the tokens
+# decoded by a pass before it): 4x the bytes of the codes, but no decode in the loop, where the CUDA kernel's
+# chains are bound by issue on too few warps. H200, CUDA-graph medians, us (KERNELS_NOTES, "The fp16 copy at
+# decode rows"): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7, copy 10.0 + 3.3 token decode; o 2048x4096:
+# 14.4 against 13.7 + 3.2, so narrower weights keep the CUDA kernel. Same bits (probed like every config).
+F16_DECODE_MIN_M = 16
+F16_DECODE_MIN_N = 4096
 # (kind, device index, config, K chunk) -> bool: bit-equal to the reference config on this GPU under that K order
 _verified: dict = {}
 
@@ -119,6 +127,13 @@ def cuda_config(m: int, n: int = 0) -> dict:
         return dict(variant="cuda", NT=nt, W=4 if chains(nt) <= DECODE_SCHEDULERS else 8, D=4 if nt == 4 else 8,
                     SEG=0)
     return dict(variant="cuda", NT=1 if m <= 16 else 2, W=4, D=8, SEG=0)
+
+
+def f16_decode_config(m: int, n: int) -> dict:
+    """The fp16 copy's GEMM config at decode rows (see F16_DECODE_MIN_M): every token in one tile row, 64 weight
+    rows a program, a 6-stage pipeline (sweep of BM 32 / 64 x BN 32 / 64 / 128 x 3 / 4 / 6 stages: the best
+    for q/k/v at M = 32 and 64)."""
+    return dict(BM=64, BN=64, GROUP_M=1, num_warps=4, num_stages=6, variant="f16")
 
 
 def _configs(m: int, n: int, interpret: bool) -> dict:
@@ -205,8 +220,14 @@ def _cuda_module(device):
     return _cuda_decode.module(_backend.capability(device))
 
 
-def _pick_config(m: int, n: int, device, cuda_ok: bool = False) -> dict:
-    """``cuda_ok``: the CUDA decode kernel is built here and takes these operands (``_cuda_decode.supports``)."""
+def _pick_config(m: int, n: int, device, cuda_ok: bool = False, has_f16: bool = False) -> dict:
+    """``cuda_ok``: the CUDA decode kernel is built here and takes these operands (``_cuda_decode.supports``);
+    ``has_f16``: the weight comes with its fp16 copy."""
+    if (has_f16 and F16_DECODE_MIN_M < m <= CUDA_MAX_M and n >= F16_DECODE_MIN_N and device.type == "cuda"
+            and not k_chunk()):
+        cfg = f16_decode_config(m, n)
+        if _proven(cfg, device):
+            return cfg
     if cuda_ok and m <= CUDA_MAX_M:
         cfg = cuda_config(m, n)
         if _proven(cfg, device):
@@ -223,25 +244,40 @@ def _pick_config(m: int, n: int, device, cuda_ok: bool = False) -> dict:
     return dict(SAFE_CONFIG)
 
 
-def _dense_choice(a, wq, config=None):
-    """(config, CUDA module or None, the CUDA kernel takes these operands) for a @ wq.T."""
+def _dense_choice(a, w, config=None):
+    """(config, CUDA module or None, the CUDA kernel takes these operands) for a @ w.T (w: NVFP4Tensor or
+    PreparedWeight)."""
     from . import _cuda_decode
+    wq = w.w if isinstance(w, PreparedWeight) else w
+    has_f16 = isinstance(w, PreparedWeight) and w.f16 is not None
     m, k = a.shape
     n = wq.shape[0]
     mod = _cuda_module(a.device) if config is None or config.get("variant") == "cuda" else None
     cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
-    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok)
+    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok, has_f16)
     return cfg, mod, cuda_ok
 
 
 def config_for(a: NVFP4Tensor, w, backend: str | None = None) -> str:
     """Name of the kernel config ``nvfp4_gemm(a, w)`` runs (benchmark tables); "torch" / "blackwell" for those
     paths. Probes a config on first use, as the GEMM itself would."""
-    wq = w.w if isinstance(w, PreparedWeight) else w
     path = gemm_path(a.device, backend)
     if path != "triton":
         return path
-    return config_name(_dense_choice(a, wq)[0])
+    return config_name(_dense_choice(a, w)[0])
+
+
+def dense_weight_bytes(w, m: int) -> int:
+    """Bytes of ``w`` (NVFP4Tensor or PreparedWeight) that ``nvfp4_gemm`` of m token rows reads here: its fp16
+    copy where a pre-decoded config serves m, else codes, block scales and global scales (benchmarks' byte
+    counts; the fp16 path reads no weight scales but the global ones)."""
+    wq = w.w if isinstance(w, PreparedWeight) else w
+    codes = sum(t.numel() * t.element_size() for t in (wq.codes, wq.scales, wq.global_scale))
+    f16 = w.f16 if isinstance(w, PreparedWeight) else None
+    if f16 is None or f16.device.type != "cuda" or gemm_path(f16.device, None) != "triton":
+        return codes
+    reads_copy = m > CUDA_MAX_M or (_pick_config(m, wq.shape[0], f16.device, False, True)["variant"] == "f16")
+    return f16.numel() * f16.element_size() + wq.global_scale.numel() * 4 if reads_copy else codes
 
 
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
@@ -253,7 +289,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     m, k = a.shape
     n = wq.shape[0]
     dev = a.device
-    cfg, mod, cuda_ok = _dense_choice(a, wq, config)
+    cfg, mod, cuda_ok = _dense_choice(a, w, config)
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
     if m == 0 or n == 0:
         return out

@@ -308,3 +308,36 @@ def test_small_m_candidates_fall_back_in_order(monkeypatch):
         assert G._pick_config(1, 8192, dev) == want, names
     monkeypatch.setattr(G, "_proven", lambda c, d: True)
     assert G._pick_config(16, 512, dev) == G.SMALL_ALT_CONFIG  # narrow N: more, smaller programs first
+
+
+def test_dense_weight_bytes_counts_the_form_read():
+    """Codes + block scales + global scales where the GEMM reads the codes (CPU: always)."""
+    from minite.kernels import dense_weight_bytes, prepare_weight
+    w = _q(40, 256, "tensor")
+    want = w.codes.numel() + w.scales.numel() + 4
+    assert dense_weight_bytes(w, 64) == want
+    assert dense_weight_bytes(prepare_weight(w, backend="triton"), 64) == want  # CPU tensors: the codes path
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_weight_reads_its_fp16_copy_at_decode_rows():
+    """17-64 token rows over a wide weight with its fp16 copy run the pre-decoded config; 16 rows, or a narrow
+    weight, the fragment-order codes; bits equal to the plain weight's at every size."""
+    from minite.kernels import dense_weight_bytes, prepare_weight
+    from minite.kernels import gemm as G
+    from minite.kernels.weights import decode_layout
+    dev = torch.device("cuda")
+    w = ref.quantize(torch.randn(G.F16_DECODE_MIN_N, 2048, generator=torch.Generator().manual_seed(5)),
+                     scaling="row")
+    w = ref.NVFP4Tensor(w.codes.to(dev), w.scales.to(dev), w.global_scale.to(dev))
+    pw = decode_layout(prepare_weight(w))
+    a = ref.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(6)), scaling="row")
+    a = ref.NVFP4Tensor(a.codes.to(dev), a.scales.to(dev), a.global_scale.to(dev))
+    for m, form in ((64, "f16:"), (17, "f16:"), (16, "cuda:"), (1, "cuda:")):
+        sub = a.rows(0, m)
+        assert G.config_for(sub, pw).startswith(form), (m, G.config_for(sub, pw))
+        assert torch.equal(nvfp4_gemm(sub, pw, out_dtype=torch.float32), nvfp4_gemm(sub, w, out_dtype=torch.float32))
+    assert dense_weight_bytes(pw, 64) == pw.f16.numel() * 2 + w.global_scale.numel() * 4
+    assert dense_weight_bytes(pw, 16) == w.codes.numel() + w.scales.numel() + w.global_scale.numel() * 4
+    narrow = decode_layout(prepare_weight(ref.NVFP4Tensor(w.codes[:2048], w.scales[:2048], w.global_scale[:2048])))
+    assert G.config_for(a, narrow).startswith("cuda:")

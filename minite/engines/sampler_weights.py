@@ -67,7 +67,7 @@ class Lin:
     rows: tuple[int, ...] = ()
     act_scale: float | None = None            # static_scale(amax) as a host number (``prepare``)
     deq: torch.Tensor | None = None           # BF16 dequantized weight for the emulated GEMM (``prepare``)
-    decode: object = None                     # q with fragment-order codes for the kernel path (``prepare``)
+    decode: object = None                     # q's fp16 copy and fragment-order codes, kernel path (``prepare``)
 
     @property
     def quantized(self) -> bool:
@@ -75,7 +75,7 @@ class Lin:
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.q.codes, self.q.scales, self.q.global_scale] if self.quantized else [self.weight]
-        out += [self.decode.frag] if getattr(self.decode, "frag", None) is not None else []
+        out += [t for t in (getattr(self.decode, "f16", None), getattr(self.decode, "frag", None)) if t is not None]
         return out + ([self.deq] if self.deq is not None else [])
 
     def shards(self) -> dict[str, torch.Tensor | nvfp4.NVFP4Tensor]:
@@ -171,14 +171,16 @@ class SamplerWeights:
     def prepare(self, recipe: EngineRecipe) -> None:
         """The forms a decode step reads, made here (after a sync or a calibration), not inside the step:
         for the emulated GEMM path the BF16 dequantized weights (the values it multiplies by, so caching
-        changes no bit), for the kernel path the codes in the CUDA decode kernel's fragment order
-        (``kernels.decode_layout``: same bits), and static activation scales as host numbers."""
+        changes no bit), for the kernel path the dense weights' fp16 copy (``kernels.prepare_weight``: read
+        at prefill, and by wide weights at 17-64 decode rows) and the codes in the CUDA decode kernel's
+        fragment order (``kernels.decode_layout``: same bits), and static activation scales as host numbers."""
         emulated, act = recipe.gemm == "emulated", recipe.activations
         for lin in self.linears():
             if lin.quantized:
                 lin.act_scale = host_static_scale(lin.amax, act)
                 lin.deq = nvfp4.dequantize(lin.q).to(torch.bfloat16) if emulated else None
-                lin.decode = kernels.decode_layout(lin.q) if recipe.gemm == "kernel" else None
+                lin.decode = kernels.decode_layout(kernels.prepare_weight(lin.q)) if recipe.gemm == "kernel" \
+                    else None
         for ex in self.experts():
             if ex.quantized:
                 ex.act_scale = {p: host_static_scale(getattr(ex, f"{p}_amax"), act) for p in ("gate_up", "down")}

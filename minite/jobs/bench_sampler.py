@@ -10,7 +10,8 @@ Weight bytes per decode step = what the step must read: the embedding rows of th
 attention and router weights, the lm_head, and per layer the experts its routing touches (distinct experts
 chosen by the batch's rows at that step, counted from the routing of a replay of the generated tokens),
 each in the form the arm's GEMM reads (BF16; NVFP4 codes + E4M3 block scales + fp32 global scales for the
-kernel path; the cached BF16 dequantization for the emulated path). The KV cache is not a weight and is
+kernel path, or its fp16 copy at the batch sizes where the kernels read that, ``kernels.dense_weight_bytes``;
+the cached BF16 dequantization for the emulated path). The KV cache is not a weight and is
 reported apart. Roofline: tokens/s if every step only read those bytes at the copy bandwidth measured in the
 same run (a large device-to-device copy, read + write bytes over its time); roofline_frac = measured /
 roofline. Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same
@@ -26,6 +27,7 @@ from itertools import pairwise
 
 import torch
 
+from minite import kernels
 from minite.jobs import common
 
 log = logging.getLogger(__name__)
@@ -146,12 +148,12 @@ def copy_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def _lin_bytes(lin) -> int:
+def _lin_bytes(lin, batch: int) -> int:
     if not lin.quantized:
         return lin.weight.numel() * lin.weight.element_size()
     if lin.deq is not None:  # the emulated GEMM reads the cached BF16 dequantization
         return lin.deq.numel() * lin.deq.element_size()
-    return sum(t.numel() * t.element_size() for t in (lin.q.codes, lin.q.scales, lin.q.global_scale))
+    return kernels.dense_weight_bytes(lin.decode if lin.decode is not None else lin.q, batch)
 
 
 def _expert_bytes(ex) -> int:
@@ -171,16 +173,16 @@ def weight_bytes(sampler, batch: int, touched: list[float]) -> dict:
     w = sampler.weights
     split = Counter()
     split["embed_rows"] = batch * w.embed.shape[1] * w.embed.element_size()
-    split["lm_head"] = _lin_bytes(w.lm_head)
+    split["lm_head"] = _lin_bytes(w.lm_head, batch)
     split["norms"] = w.norm.numel() * w.norm.element_size()
     for li, lw in enumerate(w.layers):
         split["norms"] += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm,
                                                                        lw.k_norm))
-        split["attention"] += _lin_bytes(lw.qkv) + _lin_bytes(lw.o)
+        split["attention"] += _lin_bytes(lw.qkv, batch) + _lin_bytes(lw.o, batch)
         if lw.experts is None:
-            split["dense_mlp"] += _lin_bytes(lw.gate_up) + _lin_bytes(lw.down)
+            split["dense_mlp"] += _lin_bytes(lw.gate_up, batch) + _lin_bytes(lw.down, batch)
         else:
-            split["router"] += _lin_bytes(lw.router)
+            split["router"] += _lin_bytes(lw.router, batch)
             split["experts"] += touched[li] * _expert_bytes(lw.experts)
     return {"total": float(sum(split.values())), "split": {k: float(v) for k, v in split.items()}}
 
