@@ -87,8 +87,9 @@ CUDA_MAX_M = 64
 # its fp16 copy (``prepare_weight``) is read as that copy by a plain fp16 GEMM (``f16_decode_config``, the tokens
 # decoded by a pass before it): 4x the bytes of the codes, but no decode in the loop, where the CUDA kernel's
 # chains are bound by issue on too few warps. H200, CUDA-graph medians, us (KERNELS_NOTES, "The fp16 copy at
-# decode rows"): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7, copy 10.0 + 3.3 token decode; o 2048x4096:
-# 14.4 against 13.7 + 3.2, so narrower weights keep the CUDA kernel. Same bits (probed like every config).
+# decode rows"): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7 (a decode profile), copy 10.0 + 3.3 token decode
+# (a sweep); o 2048x4096: 14.4 against 13.7 + 3.2, so narrower weights keep the CUDA kernel; the decode step
+# A/B: -1.2%. Same bits (probed like every config).
 F16_DECODE_MIN_M = 16
 F16_DECODE_MIN_N = 4096
 # (kind, device index, config, K chunk) -> bool: bit-equal to the reference config on this GPU under that K order
