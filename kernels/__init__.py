@@ -8,8 +8,10 @@ exact pure PyTorch on CPU.
         dequantize(quantize(x, ...)).to(out_dtype), bit for bit, written by the cast pass itself.
     quantize_silu_mul(gate, up, mode, formula="te", tile=(1, 16), scaling="tensor", ...) -> NVFP4Tensor
         quantize(fused_ops.silu_mul(gate, up, mode), ...), bit for bit, SiLU * up computed inside the cast pass.
-    quantize_rms_norm(x, weight, eps, mode, residual=None, ...same...) -> (y, [residual + x,] NVFP4Tensor)
+    quantize_rms_norm(x, weight, eps, mode, residual=None, ..., f16=False) -> (y, [residual + x,] NVFP4Tensor)
         fused_ops.rms_norm(...) and the quantize of its output, bit for bit; the norm's last pass is the cast.
+        f16: that pass also writes the codes' fp16 GEMM form (a ``DecodedNVFP4Tensor``) for a GEMM that reads
+        tokens so (``reads_f16_tokens(w, m)``), which then skips its own decode pass.
     quantize_weight_groups(w, groups, tile=(16, 16)) -> codes, scales, S_dec [groups], BF16 values
         formula "te", one tensor amax per row group (experts x shards); amax pass + one cast pass.
     (quantize and quantize_dequantize take x as any strided view, plus width= / gather= for the wgrad
@@ -61,9 +63,9 @@ exact pure PyTorch on CPU.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
-from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm
-from .weights import (NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts, prepare_weight,
-                      stack_experts)
+from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm, reads_f16_tokens
+from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts,
+                      prepare_weight, stack_experts)
 from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
 from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
                        quantize_weight_groups)
@@ -75,7 +77,7 @@ from .log_softmax import LogSoftmaxRows, log_softmax_rows
 from . import fused_ops
 
 __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
-           "dequantize", "nvfp4_gemm", "dense_weight_bytes",
+           "dequantize", "nvfp4_gemm", "dense_weight_bytes", "reads_f16_tokens", "DecodedNVFP4Tensor",
            "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
            "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
            "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",

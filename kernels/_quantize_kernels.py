@@ -52,8 +52,9 @@ _RHT_NEG_MASK = tl.constexpr(sum(1 << i for i, s in enumerate(
     (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)) if s < 0))
 #: RHT output precision (constexpr RHT): 0 = no RHT, 1 = fp32, 2 = BF16, 3 = FP16
 RHT_NONE, RHT_F32, RHT_BF16, RHT_F16 = 0, 1, 2, 3
-#: dequantized output (constexpr DQ): 0 = none, 1 = fp32, 2 = BF16 (stored as int16 bits)
-DQ_NONE, DQ_F32, DQ_BF16 = 0, 1, 2
+#: dequantized output (constexpr DQ): 0 = none, 1 = fp32, 2 = BF16 (stored as int16 bits), 3 = the GEMM's fp16
+#: form of the codes (``weights.decode_f16``: value * 2**-14, its K order, rows cdiv(CW, 128) * 128 wide; needs CODES)
+DQ_NONE, DQ_F32, DQ_BF16, DQ_F16_GEMM = 0, 1, 2, 3
 #: the cast's producer (constexpr SILU_MUL): 0 = the operand itself, SiLU(gate) * up in mode "hf" / "vllm"
 SILU_NONE, SILU_HF, SILU_VLLM = 0, 1, 2
 #: the norm producer (constexpr NORM): 0 = none, RMSNorm's last pass in mode "hf" / "vllm"
@@ -269,7 +270,21 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         pcols = (pc * NB + tl.arange(0, NB))[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(codes_ptr + rows3.to(tl.int64) * (CW // 2) + pcols[None, :, :], (even | (odd << 4)).to(tl.uint8),
                  mask=(rows3 < R) & (pcols[None, :, :] < CW // 2))
-    if DQ != 0:  # (e2m1 * scale) * S_dec, as minite.nvfp4.dequantize
+        if DQ == 3:  # DQ_F16_GEMM: from the code and scale bytes just stored, as _triton_gemm._decode reads them
+            sf = ((s_code.to(tl.int32) << 7).to(tl.uint16).to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
+            ev = (((even & 0x7) << 9) | ((even & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+            od = (((odd & 0x7) << 9) | ((odd & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+            ev = (ev * sf[:, :, None]).to(tl.float16)
+            od = (od * sf[:, :, None]).to(tl.float16)
+            # a 128-wide K step holds its 64 even-K values, then its 64 odd-K values; block b is the (b % 8)-th
+            # 8 of its step's halves
+            blk = pc * NB + tl.arange(0, NB)
+            fcols = ((blk // 8) * 128 + (blk % 8) * 8)[:, None] + tl.arange(0, 8)[None, :]
+            fptr = dq_ptr + rows3.to(tl.int64) * (tl.cdiv(CW, 128) * 128) + fcols[None, :, :]
+            fmask = (rows3 < R) & (blk[None, :, None] < CW // 16)
+            tl.store(fptr, ev, mask=fmask)
+            tl.store(fptr + 64, od, mask=fmask)
+    if (DQ == 1) | (DQ == 2):  # (e2m1 * scale) * S_dec, as minite.nvfp4.dequantize
         m = mag.to(tl.float32)
         mval = tl.where(m < 4.0, m * 0.5, tl.where(m < 6.0, m - 2.0, tl.where(m < 7.0, 4.0, 6.0)))
         val = (mval.to(tl.uint32, bitcast=True) | (neg << 31)).to(tl.float32, bitcast=True)

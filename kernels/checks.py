@@ -19,7 +19,7 @@ from .quantize import (
     quantize_silu_mul,
     quantize_weight_groups,
 )
-from .weights import decode_layout
+from .weights import decode_f16, decode_layout
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -140,7 +140,9 @@ def check_rms_norm_quantizers(device, backend=None, rows=517, hidden=2048, eps=1
     """``quantize_rms_norm`` (the norm's last pass is the cast) vs ``fused_ops.rms_norm_reference`` and the
     reference quantizer, bit for bit: the norm's output, the residual sum and the codes; both modes, with and
     without a residual, per-row and static scales with formulas "te" and "vllm", tensor scaling (the two-call
-    fallback), and fewer rows than a mean call takes (``fused_ops.MEAN_MIN_ROWS``)."""
+    fallback), and fewer rows than a mean call takes (``fused_ops.MEAN_MIN_ROWS``). With ``f16=True`` the same
+    bits, and where the cast is the norm's pass, its fp16 GEMM form is ``decode_f16`` of its codes, bit for bit
+    (also for a row holding a NaN, whatever codes the cast gives it)."""
     from .fused_ops import rms_norm_reference
     x = spread_input(rows, hidden, device, torch.bfloat16, seed=26)
     residual = spread_input(rows, hidden, device, torch.bfloat16, seed=27)
@@ -159,9 +161,20 @@ def check_rms_norm_quantizers(device, backend=None, rows=517, hidden=2048, eps=1
             want = (want,) if r is None else want
             q = ref.quantize(want[0], formula=formula, **kw)
             ok = same_nvfp4(out[-1], q) and all(same_bits(a, b) for a, b in zip(out[:-1], want, strict=True))
-            res.append((f"rms_norm {mode} residual={with_res} {formula} {kw['scaling']} {n}x{hidden}", ok,
-                        "bit-exact" if ok else f"{bits_differ(out[0], want[0])} values, "
+            name = f"rms_norm {mode} residual={with_res} {formula} {kw['scaling']} {n}x{hidden}"
+            res.append((name, ok, "bit-exact" if ok else f"{bits_differ(out[0], want[0])} values, "
                         f"{bits_differ(out[-1].codes, q.codes)} code bytes differ"))
+            got = quantize_rms_norm(x[:n], weight, eps, mode, r, formula=formula, backend=backend, f16=True, **kw)
+            f16 = getattr(got[-1], "f16", None)
+            ok = (same_nvfp4(got[-1], q) and all(same_bits(a, b) for a, b in zip(got[:-1], want, strict=True))
+                  and (f16 is None or same_bits(f16, decode_f16(got[-1]))))
+            res.append((name + " f16" + (" (two calls: no fp16 form)" if f16 is None else ""), ok,
+                        "bit-exact" if ok else "differs"))
+    bad = x[:5].clone()
+    bad[1, 3] = float("nan")
+    got = quantize_rms_norm(bad, weight, eps, "hf", None, backend=backend, check=False, f16=True, scaling="row")
+    ok = got[-1].f16 is not None and same_bits(got[-1].f16, decode_f16(got[-1]))
+    res.append((f"rms_norm f16 form of a NaN row 5x{hidden}", ok, "bit-exact" if ok else "differs"))
     return res
 
 

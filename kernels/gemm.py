@@ -20,7 +20,7 @@ import torch
 from minite.nvfp4 import NVFP4Tensor
 
 from . import _torch_gemm, blackwell
-from .weights import (NVFP4Experts, PreparedWeight, _check_tensor, _u8, decode_f16, gemm_path,  # noqa: F401
+from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, _check_tensor, _u8, decode_f16, gemm_path,  # noqa: F401
                       prepare_experts, prepare_weight, stack_experts)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -85,7 +85,8 @@ BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant=
 CUDA_MAX_M = 64
 # From F16_DECODE_MIN_M + 1 to CUDA_MAX_M token rows, a weight of at least F16_DECODE_MIN_N rows that comes with
 # its fp16 copy (``prepare_weight``) is read as that copy by a plain fp16 GEMM (``f16_decode_config``, the tokens
-# decoded by a pass before it): 4x the bytes of the codes, but no decode in the loop, where the CUDA kernel's
+# decoded by a pass before it, or by the norm-cast that made them: ``DecodedNVFP4Tensor``, ``reads_f16_tokens``):
+# 4x the bytes of the codes, but no decode in the loop, where the CUDA kernel's
 # chains are bound by issue on too few warps. H200, CUDA-graph medians, us (KERNELS_NOTES, "The fp16 copy at
 # decode rows"): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7 (a decode profile), copy 10.0 + 3.3 token decode
 # (a sweep); o 2048x4096: 14.4 against 13.7 + 3.2, so narrower weights keep the CUDA kernel; the decode step
@@ -281,6 +282,16 @@ def dense_weight_bytes(w, m: int) -> int:
     return f16.numel() * f16.element_size() + wq.global_scale.numel() * 4 if reads_copy else codes
 
 
+def reads_f16_tokens(w, m: int) -> bool:
+    """Whether ``nvfp4_gemm`` of m token rows with ``w`` (NVFP4Tensor or PreparedWeight) here reads the tokens'
+    fp16 form (``decode_f16``'s, or a ``DecodedNVFP4Tensor``'s own): what a cast before it can write for it."""
+    wq = w.w if isinstance(w, PreparedWeight) else w
+    if wq.device.type != "cuda" or gemm_path(wq.device, None) != "triton" or m == 0:
+        return False
+    has_f16 = isinstance(w, PreparedWeight) and w.f16 is not None
+    return _pick_config(m, wq.shape[0], wq.device, False, has_f16).get("variant") == "f16"
+
+
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     from . import _cuda_decode
     from . import _triton_gemm as tg
@@ -316,7 +327,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
     cfg.pop("variant", None)
     a_arg, w_arg = a.codes.contiguous(), (w_f16 if w_f16 is not None else wq.codes.contiguous())
     if variant == "f16":
-        a_arg = decode_f16(a)
+        a_arg = a.f16 if isinstance(a, DecodedNVFP4Tensor) and a.f16 is not None else decode_f16(a)
     ga, gw = a.global_scale.contiguous(), wq.global_scale.contiguous()
     bm, bn, gm = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
     tiles_m = (m + bm - 1) // bm

@@ -38,6 +38,7 @@ import torch
 from minite import nvfp4 as ref
 
 from . import _backend
+from .weights import DecodedNVFP4Tensor
 
 try:
     import triton
@@ -162,7 +163,8 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
     mode, y): the operand is the RMSNorm of x's rows, also stored in y (``quantize_rms_norm``); var None: the
     cast takes the mean itself (rows of 128 J, one per program), of x + residual with ``norm_residual``
     (residual, summed: where the sum goes); ``combine`` (``fused_ops.RoutedRows``, with var None): x's rows
-    (contiguous) are first written by the pass itself, the experts' combine."""
+    (contiguous) are first written by the pass itself, the experts' combine. ``dq_dtype`` float32 / bfloat16:
+    also the dequantized values; float16 (beside the codes): the GEMM's fp16 form of them (``decode_f16``'s)."""
     r, c = x.shape
     cw = _operand_width(x, width, gather)
     if cw % ref.BLOCK:
@@ -220,7 +222,13 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
     out_scales = torch.empty(r, cw // 16, dtype=torch.float8_e4m3fn, device=dev) if codes else None
     sdec_rows = torch.empty(r, dtype=torch.float32, device=dev) if scaling == "row" else None
     sdec_groups = torch.empty(n_groups, dtype=torch.float32, device=dev)
-    dq = torch.empty(r, cw, dtype=dq_dtype, device=dev) if dq_dtype is not None else None
+    if dq_dtype == torch.float16:  # the GEMM's fp16 form (``weights.decode_f16``'s bits, K order, zero padding)
+        if not codes or planes:
+            raise ValueError("the cast writes the GEMM's fp16 form only beside the codes, in its row-tile kernel")
+        kp = -(-cw // 128) * 128
+        dq = (torch.empty if kp == cw else torch.zeros)(r, kp, dtype=dq_dtype, device=dev)
+    else:
+        dq = torch.empty(r, cw, dtype=dq_dtype, device=dev) if dq_dtype is not None else None
     check_here = check and (row_amax or scaling == "static" or vllm)  # else the amax pass has checked
     # NaN/Inf counts per program: the input's, and (vllm) G's
     bad = torch.empty(2 if vllm else 1, grid[0] * grid[1] if check_here else 1, dtype=torch.int32, device=dev)
@@ -251,7 +259,8 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
             NORM=K.NORM_NONE if norm is None else {"hf": K.NORM_HF, "vllm": K.NORM_VLLM}[norm_mode],
             NORM_J=norm_j, NORM_RES=norm_j != 0 and res is not x, COMBINE_K=comb[4],
             ROW_AMAX=row_amax, STOCHASTIC=rounding == "stochastic", CODES=codes,
-            DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16}[dq_dtype],
+            DQ={None: K.DQ_NONE, torch.float32: K.DQ_F32, torch.bfloat16: K.DQ_BF16,
+                torch.float16: K.DQ_F16_GEMM}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
             FORMULA=K.FORMULA_VLLM if vllm else K.FORMULA_TE, GIVEN_G=given_g, num_warps=warps,
             enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
@@ -334,7 +343,7 @@ def quantize_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str, formula: 
 def quantize_rms_norm(x, weight: torch.Tensor, eps: float, mode: str,
                       residual: torch.Tensor | None = None, formula: str = "te", tile=(1, 16),
                       scaling: str = "tensor", amax=None, global_encode_scale=None, check: bool = True,
-                      backend: str | None = None) -> tuple:
+                      backend: str | None = None, f16: bool = False) -> tuple:
     """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm(x, weight, eps, mode, residual)`` and
     ``quantize(y.reshape(-1, H), ...)`` of its result, bit for bit (nearest rounding, no RHT). Where the kernels
     take it, the norm's last pass is the cast (one launch less; it still stores y for the norm's other
@@ -342,7 +351,10 @@ def quantize_rms_norm(x, weight: torch.Tensor, eps: float, mode: str,
     BF16 / FP16 x with the weight in its dtype, and no residual in mode "vllm" (whose last pass also rounds
     the residual); else the two calls. With row scaling of rows of 128 J whose square pass would take the mean
     itself (``fused_ops.mean_in_pass``), the cast takes it too: the whole norm in one launch. ``x`` may be
-    ``fused_ops.RoutedRows``: that one launch then also takes the experts' combine (where it is ``fusable``)."""
+    ``fused_ops.RoutedRows``: that one launch then also takes the experts' combine (where it is ``fusable``).
+    ``f16``: where the cast is that pass, it also writes the codes' fp16 form for a GEMM that reads tokens so
+    (``gemm.reads_f16_tokens``): the codes come as a ``DecodedNVFP4Tensor``, and that GEMM skips its own
+    ``decode_f16`` pass (the same bits)."""
     from .fused_ops import RoutedRows, _check_mode, mean_in_pass, norm_prologue, norm_rows, rms_norm
     _check_mode(mode)
     kw = _producer_kwargs(formula, tile, scaling, amax, global_encode_scale)
@@ -367,12 +379,15 @@ def quantize_rms_norm(x, weight: torch.Tensor, eps: float, mode: str,
         x2, res2, summed = norm_rows(x, mode, residual)
         _validate(x2, None, None, **kw)
         cast = _cast(x2, check=check, norm=(None, weight.contiguous(), eps, mode, y), norm_residual=(res2, summed),
-                     combine=combine, **kw)
+                     combine=combine, dq_dtype=torch.float16 if f16 else None, **kw)
     else:
         src, var, summed = norm_prologue(x, mode, residual)
         _validate(src, None, None, **kw)
-        cast = _cast(src, check=check, norm=(var, weight.contiguous(), eps, mode, y), **kw)
+        cast = _cast(src, check=check, norm=(var, weight.contiguous(), eps, mode, y),
+                     dq_dtype=torch.float16 if f16 else None, **kw)
     a = _to_nvfp4(cast, scaling)
+    if f16:
+        a = DecodedNVFP4Tensor(a.codes, a.scales, a.global_scale, cast.dq)
     return (y, a) if residual is None else (y, summed.view(x.shape), a)
 
 

@@ -168,6 +168,16 @@ class PreparedWeight:
         return self.w.device
 
 
+@dataclass
+class DecodedNVFP4Tensor(NVFP4Tensor):
+    """NVFP4 token rows with their fp16 form in the GEMM's K order (``decode_f16``'s layout and bits), written by
+    the cast that made the codes (``quantize_rms_norm(..., f16=True)``): a GEMM that reads fp16 tokens takes it
+    instead of a ``decode_f16`` pass of its own. Row views and gathers (``rows``, ``take``) are plain
+    NVFP4Tensors."""
+
+    f16: torch.Tensor | None = None  # [M, cdiv(K, 128) * 128]
+
+
 def decode_f16(t) -> torch.Tensor:
     """NVFP4 [R, K] -> fp16 [R, cdiv(K, 128) * 128] in the kernel's K order (Triton; GPU or interpreter).
     (An int32-word version of this pass compiled to more instructions on sm_90 than this byte one, which

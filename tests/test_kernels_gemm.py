@@ -319,6 +319,27 @@ def test_dense_weight_bytes_counts_the_form_read():
     assert dense_weight_bytes(prepare_weight(w, backend="triton"), 64) == want  # CPU tensors: the codes path
 
 
+def test_gemm_reads_the_fp16_form_its_cast_wrote(monkeypatch):
+    """A ``DecodedNVFP4Tensor`` (a norm-cast's codes with their fp16 form) goes to the fp16 GEMM as that form,
+    with no decode pass of the tokens; the bits of the plain codes' GEMM (interpreter)."""
+    from minite.kernels import DecodedNVFP4Tensor, prepare_weight, quantize_rms_norm
+    from minite.kernels import gemm as G
+    from minite.kernels.checks import spread_input
+    x = spread_input(20, 256, "cpu", torch.bfloat16, seed=3)
+    norm_w = spread_input(1, 256, "cpu", torch.bfloat16, seed=4)[0].abs() + 0.5
+    _, a = quantize_rms_norm(x, norm_w, 1e-6, "hf", scaling="row", backend="triton", f16=True)
+    assert isinstance(a, DecodedNVFP4Tensor) and a.f16.shape == (20, 256)
+    w = prepare_weight(_q(48, 256, "row"), backend="triton")
+    cfg = dict(BM=32, BN=32, GROUP_M=1, num_warps=4, num_stages=1, variant="f16")
+    want = G._triton_dense(ref.NVFP4Tensor(a.codes, a.scales, a.global_scale), w, torch.float32, None, cfg)
+
+    def no_token_decode(t):
+        raise AssertionError("the tokens' fp16 form was decoded again")
+    monkeypatch.setattr(G, "decode_f16", no_token_decode)
+    assert torch.equal(G._triton_dense(a, w, torch.float32, None, cfg), want)
+    assert not G.reads_f16_tokens(w, 64)  # CPU tensors: the codes path
+
+
 @pytest.mark.gpu
 def test_gpu_prepared_weight_reads_its_fp16_copy_at_decode_rows():
     """17-64 token rows over a wide weight with its fp16 copy run the pre-decoded config; 16 rows, or a narrow
@@ -341,3 +362,16 @@ def test_gpu_prepared_weight_reads_its_fp16_copy_at_decode_rows():
     assert dense_weight_bytes(pw, 16) == w.codes.numel() + w.scales.numel() + w.global_scale.numel() * 4
     narrow = decode_layout(prepare_weight(ref.NVFP4Tensor(w.codes[:2048], w.scales[:2048], w.global_scale[:2048])))
     assert G.config_for(a, narrow).startswith("cuda:")
+    # the norm-cast's fp16 form read in place of the tokens' decode pass, where (and only where) the GEMM reads it
+    assert [G.reads_f16_tokens(pw, m) for m in (1, 16, 17, 64, 2048)] == [False, False, True, True, True]
+    assert not G.reads_f16_tokens(narrow, 64)
+    from minite.kernels import DecodedNVFP4Tensor, quantize_rms_norm
+    from minite.kernels.checks import spread_input
+    x = spread_input(64, 2048, dev, torch.bfloat16, seed=7)
+    norm_w = spread_input(1, 2048, dev, torch.bfloat16, seed=8)[0].abs() + 0.5
+    for m in (64, 17):
+        _, t = quantize_rms_norm(x[:m], norm_w, 1e-6, "hf", scaling="row", f16=True)
+        assert isinstance(t, DecodedNVFP4Tensor)
+        plain = ref.NVFP4Tensor(t.codes, t.scales, t.global_scale)
+        assert torch.equal(t.f16.view(torch.int16), G.decode_f16(plain).view(torch.int16))
+        assert torch.equal(nvfp4_gemm(t, pw, out_dtype=torch.float32), nvfp4_gemm(plain, w, out_dtype=torch.float32))

@@ -231,10 +231,14 @@ def test_rms_norm_cast_with_its_mean_is_the_emulated_reference(monkeypatch):
     square_means, square_mean = [], fused_ops.square_mean
     monkeypatch.setattr(fused_ops, "square_mean", lambda *a: square_means.append(1) or square_mean(*a))
     res = checks.check_rms_norm_quantizers(torch.device("cpu"), backend="triton", rows=19, hidden=256)
-    assert len(res) == 14 and all(ok for _, ok, _ in res), [r for r in res if not r[1]]
-    # 7 cases x 2 row counts; only the 2 static-scaling casts (their norm's prologue) take the square pass: the
-    # fused row-scaling ones and the two-call fallbacks (``rms_norm``, one pass) do not
-    assert len(square_means) == 4
+    assert len(res) == 29 and all(ok for _, ok, _ in res), [r for r in res if not r[1]]
+    # an fp16 form written by the 5 fused cases x 2 row counts and the NaN row ("vllm" with a residual and
+    # tensor scaling take two calls)
+    assert sum("f16" in name and "two calls" not in name for name, _, _ in res) == 11
+    # 7 cases x 2 row counts, with and without the fp16 form, and the NaN row; only the 2 static-scaling casts
+    # (their norm's prologue) take the square pass: the fused row-scaling ones and the two-call fallbacks
+    # (``rms_norm``, one pass) do not
+    assert len(square_means) == 8
 
 
 @pytest.mark.parametrize("mode,residual", [("hf", True), ("hf", False), ("vllm", False)])

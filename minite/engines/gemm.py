@@ -46,12 +46,13 @@ def quantize_activation_silu_mul(gate: torch.Tensor, up: torch.Tensor, mode: str
 
 
 def quantize_activation_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str, spec: QuantSpec,
-                                 static_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                                 ) -> tuple:
+                                 static_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                                 f16: bool = False) -> tuple:
     """(y, codes) or (y, residual + x, codes): ``fused_ops.rms_norm`` and ``quantize_activation`` of its output
     (as [tokens, K]) bit for bit, the norm's last pass being the cast on CUDA (``kernels.quantize_rms_norm``):
-    a norm whose next linear is NVFP4, one launch less."""
-    return kernels.quantize_rms_norm(x, weight, eps, mode, residual, check=False,
+    a norm whose next linear is NVFP4, one launch less. ``f16``: the codes also in the fp16 form the next
+    GEMM reads (``kernels.reads_f16_tokens``), written by that pass."""
+    return kernels.quantize_rms_norm(x, weight, eps, mode, residual, check=False, f16=f16,
                                      **_static_kwargs(spec, static_scale))
 
 

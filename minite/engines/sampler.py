@@ -223,9 +223,11 @@ class Sampler:
                     capture(_li, op, pos, tensor() if callable(tensor) else tensor)
             # each norm's output is the input of NVFP4 linears: its last pass may also write their codes
             if pending is None:
-                x, _, codes = ops.rms_norm_for_linears(h, lw.input_norm, self.eps, self.recipe, calib=calib)
+                x, _, codes = ops.rms_norm_for_linears(h, lw.input_norm, self.eps, self.recipe, calib=calib,
+                                                       next_lin=lw.qkv)
             else:
-                x, h, codes = ops.rms_norm_for_linears(pending, lw.input_norm, self.eps, self.recipe, h, calib)
+                x, h, codes = ops.rms_norm_for_linears(pending, lw.input_norm, self.eps, self.recipe, h, calib,
+                                                       next_lin=lw.qkv)
             a = self._attention(li, lw, x, pos, slots, rope, decode, calib, valid, codes)
             cap("attn_out", a)
             x, h, codes = ops.rms_norm_for_linears(a, lw.post_norm, self.eps, self.recipe, h, calib)

@@ -21,6 +21,7 @@ in a CUDA graph; the host loops left here serve calibration and the CPU-only per
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -62,17 +63,23 @@ def norm_codes_reused(recipe: EngineRecipe, calib: Calibrator | None) -> bool:
 
 
 def rms_norm_for_linears(x, weight: torch.Tensor, eps: float, recipe: EngineRecipe,
-                         residual: torch.Tensor | None = None, calib: Calibrator | None = None):
+                         residual: torch.Tensor | None = None, calib: Calibrator | None = None,
+                         next_lin: Lin | None = None):
     """(y, residual + x or None, y's codes or None): ``rms_norm`` / ``add_rms_norm`` for a norm whose output
     NVFP4 linears read next. Where ``norm_codes_reused``, the norm's last pass is their activation cast
     (``kernels.quantize_rms_norm``, bit for bit the two calls; one launch less) and the linears take the codes
     (``linear(..., codes=)``, ``moe(..., codes=)``); else codes is None and each linear quantizes y. x: a
-    tensor or the experts' ``RoutedRows`` (their combine taken in the norm's pass where it can be)."""
+    tensor or the experts' ``RoutedRows`` (their combine taken in the norm's pass where it can be).
+    ``next_lin``: the one linear that reads the codes; where its GEMM reads the tokens as fp16
+    (``kernels.reads_f16_tokens``), that pass writes them so too, and the GEMM skips its decode pass."""
     mode = recipe.non_gemm
     if not norm_codes_reused(recipe, calib):
         out = fused_ops.rms_norm(x, weight, eps, mode, residual=residual)
         return (out, None, None) if residual is None else (*out, None)
-    out = quantize_activation_rms_norm(x, weight, eps, mode, recipe.activations, residual=residual)
+    w = next_lin.decode if next_lin is not None and next_lin.quantized else None
+    rows = math.prod(x.shape[:-1])
+    out = quantize_activation_rms_norm(x, weight, eps, mode, recipe.activations, residual=residual,
+                                       f16=w is not None and kernels.reads_f16_tokens(w, rows))
     return (out[0], None, out[1]) if residual is None else out
 
 
