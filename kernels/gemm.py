@@ -20,8 +20,8 @@ import torch
 from minite.nvfp4 import NVFP4Tensor
 
 from . import _torch_gemm, blackwell
-from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, _check_tensor, _u8, decode_f16, gemm_path,  # noqa: F401
-                      prepare_experts, prepare_weight, stack_experts)
+from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, _check_tensor, _u8,  # noqa: F401
+                      decode_f16, gemm_path, prepare_experts, prepare_weight, stack_experts)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -84,13 +84,14 @@ BIG_CONFIG = dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=4, variant=
 # packed weight once per 8 * NT tokens; above, the tensor-core-bound Triton configs win.
 CUDA_MAX_M = 64
 # From F16_DECODE_MIN_M + 1 to CUDA_MAX_M token rows, a weight of at least F16_DECODE_MIN_N rows that comes with
-# its fp16 copy (``prepare_weight``) is read as that copy by a plain fp16 GEMM (``f16_decode_config``, the tokens
-# decoded by a pass before it, or by the norm-cast that made them: ``DecodedNVFP4Tensor``, ``reads_f16_tokens``):
-# 4x the bytes of the codes, but no decode in the loop, where the CUDA kernel's
-# chains are bound by issue on too few warps. H200, CUDA-graph medians, us (KERNELS_NOTES, "The fp16 copy at
-# decode rows"): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7 (a decode profile), copy 10.0 + 3.3 token decode
-# (a sweep); o 2048x4096: 14.4 against 13.7 + 3.2, so narrower weights keep the CUDA kernel; the decode step
-# A/B: -1.2%. Same bits (probed like every config).
+# its fp16 copy (``prepare_weight``), given tokens that come with their fp16 form (``DecodedNVFP4Tensor``: the
+# norm-cast that made their codes wrote it; ``reads_f16_tokens``), is read as that copy by a plain fp16 GEMM
+# (``f16_decode_config``): 4x the bytes of the codes, but no decode in the loop, where the CUDA kernel's chains
+# are bound by issue on too few warps. H200, CUDA-graph medians, us (KERNELS_NOTES, "The fp16 copy at decode
+# rows" and the next section): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7 (a decode profile), copy 10.0 (a
+# sweep); o 2048x4096: 14.4 against 13.7, so narrower weights keep the CUDA kernel. Plain codes would need a
+# decode pass first (~3.2 us), which loses to the CUDA kernel at most sizes (kernel-bench, prepared q_proj
+# 4096x2048 at M = 32: 9.07 against 11.84 with the pass): they keep it. Same bits (probed like every config).
 F16_DECODE_MIN_M = 16
 F16_DECODE_MIN_N = 4096
 # (kind, device index, config, K chunk) -> bool: bit-equal to the reference config on this GPU under that K order
@@ -222,11 +223,12 @@ def _cuda_module(device):
     return _cuda_decode.module(_backend.capability(device))
 
 
-def _pick_config(m: int, n: int, device, cuda_ok: bool = False, has_f16: bool = False) -> dict:
+def _pick_config(m: int, n: int, device, cuda_ok: bool = False, has_f16: bool = False,
+                 tokens_f16: bool = False) -> dict:
     """``cuda_ok``: the CUDA decode kernel is built here and takes these operands (``_cuda_decode.supports``);
-    ``has_f16``: the weight comes with its fp16 copy."""
-    if (has_f16 and F16_DECODE_MIN_M < m <= CUDA_MAX_M and n >= F16_DECODE_MIN_N and device.type == "cuda"
-            and not k_chunk()):
+    ``has_f16`` / ``tokens_f16``: the weight comes with its fp16 copy / the tokens with their fp16 form."""
+    if (has_f16 and tokens_f16 and F16_DECODE_MIN_M < m <= CUDA_MAX_M and n >= F16_DECODE_MIN_N
+            and device.type == "cuda" and not k_chunk()):
         cfg = f16_decode_config(m, n)
         if _proven(cfg, device):
             return cfg
@@ -256,7 +258,8 @@ def _dense_choice(a, w, config=None):
     n = wq.shape[0]
     mod = _cuda_module(a.device) if config is None or config.get("variant") == "cuda" else None
     cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
-    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok, has_f16)
+    tokens_f16 = isinstance(a, DecodedNVFP4Tensor) and a.f16 is not None
+    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok, has_f16, tokens_f16)
     return cfg, mod, cuda_ok
 
 
@@ -269,27 +272,29 @@ def config_for(a: NVFP4Tensor, w, backend: str | None = None) -> str:
     return config_name(_dense_choice(a, w)[0])
 
 
-def dense_weight_bytes(w, m: int) -> int:
-    """Bytes of ``w`` (NVFP4Tensor or PreparedWeight) that ``nvfp4_gemm`` of m token rows reads here: its fp16
-    copy where a pre-decoded config serves m, else codes, block scales and global scales (benchmarks' byte
-    counts; the fp16 path reads no weight scales but the global ones)."""
+def dense_weight_bytes(w, m: int, tokens_f16: bool = False) -> int:
+    """Bytes of ``w`` (NVFP4Tensor or PreparedWeight) that ``nvfp4_gemm`` of m token rows reads here (the tokens
+    with their fp16 form where ``tokens_f16``): its fp16 copy where a pre-decoded config serves m, else codes,
+    block scales and global scales (benchmarks' byte counts; the fp16 path reads no weight scales but the
+    global ones)."""
     wq = w.w if isinstance(w, PreparedWeight) else w
     codes = sum(t.numel() * t.element_size() for t in (wq.codes, wq.scales, wq.global_scale))
     f16 = w.f16 if isinstance(w, PreparedWeight) else None
-    if f16 is None or f16.device.type != "cuda" or gemm_path(f16.device, None) != "triton":
+    # a pre-decoded config reads the copy: every one above CUDA_MAX_M rows, below only for fp16 tokens
+    reads_copy = f16 is not None and (m > CUDA_MAX_M or (tokens_f16 and reads_f16_tokens(w, m)))
+    if not reads_copy or f16.device.type != "cuda" or gemm_path(f16.device, None) != "triton":
         return codes
-    reads_copy = m > CUDA_MAX_M or (_pick_config(m, wq.shape[0], f16.device, False, True)["variant"] == "f16")
-    return f16.numel() * f16.element_size() + wq.global_scale.numel() * 4 if reads_copy else codes
+    return f16.numel() * f16.element_size() + wq.global_scale.numel() * 4
 
 
 def reads_f16_tokens(w, m: int) -> bool:
     """Whether ``nvfp4_gemm`` of m token rows with ``w`` (NVFP4Tensor or PreparedWeight) here reads the tokens'
-    fp16 form (``decode_f16``'s, or a ``DecodedNVFP4Tensor``'s own): what a cast before it can write for it."""
+    fp16 form when they come with it (a ``DecodedNVFP4Tensor``): what a cast before it can write for it."""
     wq = w.w if isinstance(w, PreparedWeight) else w
     if wq.device.type != "cuda" or gemm_path(wq.device, None) != "triton" or m == 0:
         return False
     has_f16 = isinstance(w, PreparedWeight) and w.f16 is not None
-    return _pick_config(m, wq.shape[0], wq.device, False, has_f16).get("variant") == "f16"
+    return _pick_config(m, wq.shape[0], wq.device, False, has_f16, True).get("variant") == "f16"
 
 
 def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:

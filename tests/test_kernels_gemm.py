@@ -340,10 +340,24 @@ def test_gemm_reads_the_fp16_form_its_cast_wrote(monkeypatch):
     assert not G.reads_f16_tokens(w, 64)  # CPU tensors: the codes path
 
 
+def test_fp16_copy_at_decode_rows_needs_the_tokens_fp16_form(monkeypatch):
+    """The pre-decoded config serves 17-64 rows of a wide weight only for tokens with their fp16 form (plain
+    codes would need a decode pass first, which loses to the CUDA kernel): the dispatch rule alone."""
+    from minite.kernels import gemm as G
+    monkeypatch.setattr(G, "_proven", lambda cfg, device: True)
+    cuda = torch.device("cuda", 0)
+
+    def pick(m, n, tokens_f16):
+        return G._pick_config(m, n, cuda, True, True, tokens_f16)["variant"]
+    assert pick(64, 5120, True) == pick(17, G.F16_DECODE_MIN_N, True) == "f16"
+    assert pick(64, 5120, False) == pick(16, 5120, True) == pick(64, G.F16_DECODE_MIN_N - 16, True) == "cuda"
+
+
 @pytest.mark.gpu
 def test_gpu_prepared_weight_reads_its_fp16_copy_at_decode_rows():
-    """17-64 token rows over a wide weight with its fp16 copy run the pre-decoded config; 16 rows, or a narrow
-    weight, the fragment-order codes; bits equal to the plain weight's at every size."""
+    """17-64 token rows that come with their fp16 form, over a wide weight with its fp16 copy, run the
+    pre-decoded config; plain codes, 16 rows, or a narrow weight, the fragment-order codes; bits equal to the
+    plain weight's at every size."""
     from minite.kernels import dense_weight_bytes, prepare_weight
     from minite.kernels import gemm as G
     from minite.kernels.weights import decode_layout
@@ -354,12 +368,19 @@ def test_gpu_prepared_weight_reads_its_fp16_copy_at_decode_rows():
     pw = decode_layout(prepare_weight(w))
     a = ref.quantize(torch.randn(64, 2048, generator=torch.Generator().manual_seed(6)), scaling="row")
     a = ref.NVFP4Tensor(a.codes.to(dev), a.scales.to(dev), a.global_scale.to(dev))
-    for m, form in ((64, "f16:"), (17, "f16:"), (16, "cuda:"), (1, "cuda:")):
+    for m in (64, 17, 16, 1):
         sub = a.rows(0, m)
-        assert G.config_for(sub, pw).startswith(form), (m, G.config_for(sub, pw))
-        assert torch.equal(nvfp4_gemm(sub, pw, out_dtype=torch.float32), nvfp4_gemm(sub, w, out_dtype=torch.float32))
-    assert dense_weight_bytes(pw, 64) == pw.f16.numel() * 2 + w.global_scale.numel() * 4
-    assert dense_weight_bytes(pw, 16) == w.codes.numel() + w.scales.numel() + w.global_scale.numel() * 4
+        assert G.config_for(sub, pw).startswith("cuda:"), (m, G.config_for(sub, pw))  # plain codes
+        decoded = G.DecodedNVFP4Tensor(sub.codes, sub.scales, sub.global_scale, G.decode_f16(sub))
+        form = "f16:" if m > 16 else "cuda:"
+        assert G.config_for(decoded, pw).startswith(form), (m, G.config_for(decoded, pw))
+        want = nvfp4_gemm(sub, w, out_dtype=torch.float32)
+        assert torch.equal(nvfp4_gemm(sub, pw, out_dtype=torch.float32), want)
+        assert torch.equal(nvfp4_gemm(decoded, pw, out_dtype=torch.float32), want)
+    codes_bytes = w.codes.numel() + w.scales.numel() + w.global_scale.numel() * 4
+    assert dense_weight_bytes(pw, 64, tokens_f16=True) == pw.f16.numel() * 2 + w.global_scale.numel() * 4
+    assert dense_weight_bytes(pw, 64) == codes_bytes
+    assert dense_weight_bytes(pw, 16, tokens_f16=True) == codes_bytes
     narrow = decode_layout(prepare_weight(ref.NVFP4Tensor(w.codes[:2048], w.scales[:2048], w.global_scale[:2048])))
     assert G.config_for(a, narrow).startswith("cuda:")
     # the norm-cast's fp16 form read in place of the tokens' decode pass, where (and only where) the GEMM reads it

@@ -148,12 +148,13 @@ def copy_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def _lin_bytes(lin, batch: int) -> int:
+def _lin_bytes(lin, batch: int, tokens_f16: bool = False) -> int:
+    """``tokens_f16``: the linear's tokens come with their fp16 form (the norm-cast before it wrote it)."""
     if not lin.quantized:
         return lin.weight.numel() * lin.weight.element_size()
     if lin.deq is not None:  # the emulated GEMM reads the cached BF16 dequantization
         return lin.deq.numel() * lin.deq.element_size()
-    return kernels.dense_weight_bytes(lin.decode if lin.decode is not None else lin.q, batch)
+    return kernels.dense_weight_bytes(lin.decode if lin.decode is not None else lin.q, batch, tokens_f16)
 
 
 def _expert_bytes(ex) -> int:
@@ -170,15 +171,19 @@ def _expert_bytes(ex) -> int:
 def weight_bytes(sampler, batch: int, touched: list[float]) -> dict:
     """Bytes of weights one decode step of ``batch`` rows reads (module docstring); ``touched``: mean distinct
     experts per layer per step."""
+    from minite.engines.sampler_ops import norm_codes_reused
+
     w = sampler.weights
     split = Counter()
     split["embed_rows"] = batch * w.embed.shape[1] * w.embed.element_size()
     split["lm_head"] = _lin_bytes(w.lm_head, batch)
     split["norms"] = w.norm.numel() * w.norm.element_size()
+    codes_reused = norm_codes_reused(sampler.recipe, None)
     for li, lw in enumerate(w.layers):
         split["norms"] += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm,
                                                                        lw.k_norm))
-        split["attention"] += _lin_bytes(lw.qkv, batch) + _lin_bytes(lw.o, batch)
+        # q/k/v read the fp16 form the input norm's cast writes where its codes are reused (``rms_norm_for_linears``)
+        split["attention"] += _lin_bytes(lw.qkv, batch, codes_reused) + _lin_bytes(lw.o, batch)
         if lw.experts is None:
             split["dense_mlp"] += _lin_bytes(lw.gate_up, batch) + _lin_bytes(lw.down, batch)
         else:
