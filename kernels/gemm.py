@@ -91,7 +91,8 @@ CUDA_MAX_M = 64
 # rows" and the next section): q/k/v 5120x2048 at M = 64: CUDA kernel 16.7 (a decode profile), copy 10.0 (a
 # sweep); o 2048x4096: 14.4 against 13.7, so narrower weights keep the CUDA kernel. Plain codes would need a
 # decode pass first (~3.2 us), which loses to the CUDA kernel at most sizes (kernel-bench, prepared q_proj
-# 4096x2048 at M = 32: 9.07 against 11.84 with the pass): they keep it. Same bits (probed like every config).
+# 4096x2048 at M = 32: 9.00 against 11.84 with the pass): they keep it. The one point measured the other way
+# (square 8192 at M = 64: 58.2 against 41.7) is in KERNELS_NOTES. Same bits (probed like every config).
 F16_DECODE_MIN_M = 16
 F16_DECODE_MIN_N = 4096
 # (kind, device index, config, K chunk) -> bool: bit-equal to the reference config on this GPU under that K order
