@@ -17,6 +17,7 @@ import warnings
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
+PDL_ENV = "MINITE_KERNELS_PDL"  # "0": launch every kernel without programmatic dependent launch
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,6 +68,24 @@ def capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)
     return torch.cuda.get_device_capability(device)
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL, sm_90+): a kernel's
+    programs may start while the previous kernel in the stream finishes, and wait (``griddepcontrol.wait``,
+    their first instruction) until its writes are visible. It hides the launch gap between the short kernels
+    of a decode step, CUDA graphs included; the values are those of a plain launch. Off on CPU, under the
+    interpreter, and with MINITE_KERNELS_PDL=0."""
+    return (device.type == "cuda" and not interpreter_on() and os.environ.get(PDL_ENV, "1") != "0"
+            and capability(device) >= (9, 0))
+
+
+def pdl_meta(kernel, device: torch.device) -> dict:
+    """The launch arguments that turn PDL on for a Triton ``kernel`` taking the ``PDL`` constexpr (its first
+    statement: ``_triton_pdl.pdl_wait(PDL)``), where ``pdl_on(device)``; {} otherwise (a plain launch)."""
+    if "PDL" in getattr(kernel, "arg_names", ()) and pdl_on(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {}
 
 
 def kernel_math(name: str, x: torch.Tensor) -> torch.Tensor:

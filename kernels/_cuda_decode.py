@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from . import _backend
+
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 STEP_K = 128         # K per step (the kernels' BK)
 SLOT_BYTES = 16 * 80 + 16 * 8  # one warp's ring slot: 16 rows of codes (pitch 80) + 16 x 8 scale bytes
@@ -32,7 +34,8 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t stream);
+                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t pdl,
+                           int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
@@ -40,6 +43,10 @@ FRAG_DEPTHS = (4, 8)    # ring depths compiled in for weight codes in fragment o
 TILES = (1, 2, 4)       # n8 token tiles per CTA compiled in
 LANES = (1, 2, 4, 8)    # warps sharing a row group's K chunks (chunked contract only)
 ROW_GROUPS = tuple(range(1, 17))  # row groups of 16 weight rows a warp runs one after another per token tile
+# Programmatic dependent launch (``Params::pdl``, where ``_backend.pdl_on``): 2 = wait for the previous kernel,
+# let the next one start only as each CTA ends; 1 (let it start at once) measured slower: its programs take
+# SM resources beside the decode CTAs (docs/KERNELS_NOTES.md, "Programmatic dependent launch, measured again")
+PDL_MODE = 2
 
 
 def enabled() -> bool:
@@ -192,7 +199,7 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
         chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
         0 if rows is None else rows.data_ptr(), int(rows is not None and rows.dtype == torch.int64),
-        int(balanced),
+        int(balanced), PDL_MODE if _backend.pdl_on(out.device) else 0,
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")

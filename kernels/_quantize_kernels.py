@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._triton_fused_ops import _norm_half, _residual_sum, _row_square_sum, _rsqrtf, silu_mul_values, store_combined_row
+from ._triton_pdl import pdl_wait
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # jit code reads globals only as constexpr
 #: bit i set where TE's RHT sign vector (minite.nvfp4.RHT_SIGNS) is -1
@@ -134,7 +135,8 @@ def _tile_index(BR: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _amax_kernel(x_ptr, gather_ptr, amax_ptr, R, C, CW, stride_r, stride_c, rows_per_group,
                  BR: tl.constexpr, BC: tl.constexpr, GATHER: tl.constexpr, RHT: tl.constexpr,
-                 TILE_IN_GROUP: tl.constexpr):
+                 TILE_IN_GROUP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     rows3, cols3 = _tile_index(BR, BC)
     x = _load_operand(x_ptr, gather_ptr, rows3, cols3, R, C, CW, stride_r, stride_c, GATHER)
     if RHT != 0:
@@ -155,7 +157,8 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
                  TILE16: tl.constexpr, ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, CODES: tl.constexpr,
                  DQ: tl.constexpr, CHECK: tl.constexpr, SDEC_ROWS: tl.constexpr, FORMULA: tl.constexpr,
                  GIVEN_G: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, NORM_J: tl.constexpr,
-                 NORM_RES: tl.constexpr, COMBINE_K: tl.constexpr):
+                 NORM_RES: tl.constexpr, COMBINE_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     NB: tl.constexpr = BC // 16
     pr = tl.program_id(0)
     pc = tl.program_id(1)

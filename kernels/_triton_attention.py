@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_pdl import pdl_wait
 from ._triton_round import round_to
 
 
@@ -114,10 +115,11 @@ def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml
                       n_q_heads, rep, groups, rows, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
                       scale_bits, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                       DIRECT: tl.constexpr, QK_STAGES: tl.constexpr, PV_UNROLL: tl.constexpr,
-                      PV_MASKED: tl.constexpr):
+                      PV_MASKED: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, KV head, head group, split): ``rows`` of the KV head's ``rep`` query heads (group g:
     heads g * rows ..) against keys [lo, hi) of the split. Grid (B, Hkv x groups, splits); DIRECT (one split):
     write the output itself, else a partial for merge_splits. A row's sums do not involve the other rows."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // groups
     scale = _f64(scale_bits)
@@ -149,9 +151,10 @@ def decode_f64_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml
 def decode_fast_kernel(q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
                        n_q_heads, rep, sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq,
                        scale_log2e, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, DIRECT: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr):
+                       UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False):
     """As decode_f64_kernel with bf16 dots (BH >= 16 rows, the rest masked) and fp32 exp2 softmax.
     UPCAST_DOT (interpreter only): fp32 dot operands; the interpreter's dot multiplies bf16 storage bits."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     slot = tl.load(slot_ids + b).to(tl.int64)
@@ -207,8 +210,9 @@ def _finish_split(acc, m, denom, part_acc, part_ml, out, b, heads, hmask, n_q_he
 
 @triton.jit
 def merge_splits_kernel(part_acc, part_ml, out, n_q_heads, n_splits, D: tl.constexpr, SPLITS_P2: tl.constexpr,
-                        F64: tl.constexpr):
+                        F64: tl.constexpr, PDL: tl.constexpr = False):
     """out[b, h] from the n_splits partials of (b, h), merged by log-sum-exp, splits added in order."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64) * n_q_heads + tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
     first = row * n_splits

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreter_on
+from ._triton_pdl import pdl_wait
 from ._triton_round import round_to
 from ._triton_torch_order import add_to_accumulator, vec4_row_sum
 
@@ -53,9 +54,10 @@ def _residual_sum(xv, rv, HF: tl.constexpr):
 
 @triton.jit
 def _square_kernel(x, x_stride, res, res_stride, summed, sq, N, HAS_RES: tl.constexpr, HF: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Row r: the value the norm normalises (x, or ``_residual_sum``, stored in ``summed``) and its square in
     fp32 (``sq``), for torch's mean to reduce."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -94,11 +96,12 @@ def _row_square_sum(xrow, rrow, HAS_RES: tl.constexpr, HF: tl.constexpr, J: tl.c
 
 @triton.jit
 def _square_mean_kernel(x, x_stride, res, res_stride, summed, var, inv_n, HAS_RES: tl.constexpr,
-                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
+                        HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``_square_kernel``'s row (N = 128 J) with its mean square written instead of the squares
     (``_row_square_sum`` times fp32(1 / N)). One warp. The residual sum is stored first, as whole-row vectors:
     a store between the loads of the accumulation would hold each later load behind it (the compiler cannot
     tell the buffers apart), one memory latency per element the lane reads. BLOCK: the power of two >= 128 J."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     if HAS_RES:
         cols = tl.arange(0, BLOCK)
@@ -120,9 +123,10 @@ def _norm_half(x, inv, w, HF: tl.constexpr):
 
 @triton.jit
 def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.constexpr, WRITE_RES: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y = the norm of row r of ``src`` given its mean square ``var[r]``: "hf" w * (h * rsqrt(var + eps)
     rounded), rounded; "vllm" (h * rsqrt(var + eps)) * w in fp32, rounded once (and the rounded residual)."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -135,8 +139,9 @@ def _norm_tail_kernel(src, src_stride, var, w, y, res_out, N, eps, HF: tl.conste
 
 
 @triton.jit
-def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr):
+def _qk_square_kernel(qkv, row_stride, q_sq, k_sq, NQ, NKV, D: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token i, head h over the Hq query then Hkv key heads): the fp32 squares of that head's row."""
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, D)
@@ -168,10 +173,12 @@ def _head_mean_square(base, inv_d, D: tl.constexpr):
 @triton.jit
 def _qk_tail_kernel(qkv, row_stride, q_var, k_var, qw, kw, cos, sin, cs_b, cs_t, q_out, k_out, k_cache, v_cache,
                     slots, pos, pos_b, pos_t, kc_s, kc_h, kc_p, T, NQ, NKV, eps, inv_d, D: tl.constexpr,
-                    HALF: tl.constexpr, HF: tl.constexpr, CACHE: tl.constexpr, MEAN: tl.constexpr):
+                    HALF: tl.constexpr, HF: tl.constexpr, CACHE: tl.constexpr, MEAN: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Program (token i, head h): the head's RMSNorm (q_norm / k_norm), then rotary at the token's position;
     key heads also go, with the token's value head, into the KV cache at (slot, position). The head's mean
     square: ``q_var`` / ``k_var``, or (MEAN, D = 128 J) taken here in torch's order."""
+    pdl_wait(PDL)
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     lo = tl.arange(0, HALF)
@@ -244,7 +251,9 @@ def silu_mul_values(gv, uv, HF: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -254,9 +263,11 @@ def _silu_mul_kernel(gate, g_stride, up, u_stride, out, N, HF: tl.constexpr, BLO
 
 
 @triton.jit
-def _expert_sort_kernel(ids, perm, rows, offsets, inv, n, K, E, BLOCK_N: tl.constexpr, INV: tl.constexpr):
+def _expert_sort_kernel(ids, perm, rows, offsets, inv, n, K, E, BLOCK_N: tl.constexpr, INV: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Program e: the rows routed to expert e, in their order (a stable sort), placed after the rows of every
     smaller expert; writes offsets[e] (the last program offsets[E] = n as well), and (INV) each row's place."""
+    pdl_wait(PDL)
     e = tl.program_id(0)
     before = tl.sum(tl.zeros([BLOCK_N], tl.int64), axis=0)  # rows of experts < e
     mine = before                                            # rows of expert e seen so far
@@ -280,8 +291,9 @@ def _expert_sort_kernel(ids, perm, rows, offsets, inv, n, K, E, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _weighted_scatter_kernel(y, y_stride, perm, weights, prod, N, BLOCK: tl.constexpr):
+def _weighted_scatter_kernel(y, y_stride, perm, weights, prod, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """prod[perm[r]] = y[r] * weights.flat[perm[r]], rounded once to prod's dtype."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -314,8 +326,9 @@ def combine_values(y, y_stride, inv, weights, t, cols, m, K: tl.constexpr, HF: t
 
 @triton.jit
 def _gather_combine_kernel(y, y_stride, inv, weights, out, N, K: tl.constexpr, HF: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = ``combine_values`` of token t, rounded once to out's dtype."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -339,12 +352,13 @@ def store_combined_row(x, t, y, y_stride, inv, weights, N, K: tl.constexpr, HF: 
 @triton.jit
 def _norm_row_kernel(x, x_stride, res, res_stride, w, y, res_out, eps, inv_n, cy, cy_stride, cinv, cw,
                      HAS_RES: tl.constexpr, HF: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr,
-                     COMBINE_K: tl.constexpr):
+                     COMBINE_K: tl.constexpr, PDL: tl.constexpr = False):
     """A whole RMSNorm of row r (N = 128 J) in one pass: (COMBINE_K: x's row is first made, the experts'
     combine of ``cy`` / ``cinv`` / ``cw`` with K = COMBINE_K), the residual sum with ``res`` (stored in
     ``res_out``: rounded to x's dtype, the new residual, for either mode), the mean square in torch's order
     (``_row_square_sum``), y = the norm's output (``_norm_half``): ``_square_mean_kernel`` then
     ``_norm_tail_kernel``, bit for bit."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     N: tl.constexpr = 128 * J
     if COMBINE_K != 0:

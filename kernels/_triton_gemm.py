@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_pdl import pdl_wait
 from ._triton_round import round_to
 
 BK = 128  # K step, fixed for every config: part of the batch-invariance contract
@@ -99,7 +100,9 @@ def nvfp4_mm_kernel(a_codes, a_scales, w_codes, w_scales, ga_ptr, gw_ptr, bias_p
                     GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                     GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     GROUP_M: tl.constexpr, A_F16: tl.constexpr = False, W_F16: tl.constexpr = False,
-                    KC: tl.constexpr = 0, K_GROUPED: tl.constexpr = False, W_KSEG: tl.constexpr = 1):
+                    KC: tl.constexpr = 0, K_GROUPED: tl.constexpr = False, W_KSEG: tl.constexpr = 1,
+                    PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     kh = K // 2
     ks = K // 16
     if K_GROUPED:  # axis 1: the group; its K segment [ends[g-1], ends[g]) from offsets_ptr; out [G, M, N]

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._triton_gemm import _l2_tile, _tile_index
+from ._triton_pdl import pdl_wait
 from ._triton_round import round_to
 
 
@@ -85,9 +86,11 @@ def nvfp4_mm_w32_kernel(a_words, a_scales, w_words, w_scales, ga_ptr, gw_ptr, bi
                         GA_ROW: tl.constexpr, GW_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, SCALE_WORDS: tl.constexpr = False, SWAP: tl.constexpr = False,
-                        W_F16: tl.constexpr = False, A_F16: tl.constexpr = False, KC: tl.constexpr = 0):
+                        W_F16: tl.constexpr = False, A_F16: tl.constexpr = False, KC: tl.constexpr = 0,
+                        PDL: tl.constexpr = False):
     """a_rs / w_rs: row strides of the code words (int32 units; fp16 units for W_F16), a_ss / w_ss: of the
     scales (bytes, or int32 words with SCALE_WORDS); w_estride_*: per-expert strides in those units."""
+    pdl_wait(PDL)
     kw = K // 8   # int32 words per row
     if GROUPED:
         pid_m = tl.program_id(0)

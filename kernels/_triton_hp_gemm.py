@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from ._triton_gemm import _l2_tile, _tile_index
+from ._triton_pdl import pdl_wait
 from ._triton_round import round_to
 
 
@@ -12,10 +13,11 @@ from ._triton_round import round_to
 def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, swn, swk,
                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                        ROUND_TO_X: tl.constexpr = False):
+                        ROUND_TO_X: tl.constexpr = False, PDL: tl.constexpr = False):
     """out (or part[split]) tile = x[rows, ks] @ w[cols, ks].T over this split's K range, BK at a time.
     UPCAST_DOT (interpreter only): fp32 operands; the interpreter's dot multiplies bf16 storage bits.
     ROUND_TO_X: round to x's dtype, then store in out's (a wider one: the same values, no cast pass after)."""
+    pdl_wait(PDL)
     pid_m, pid_n = _l2_tile(tl.cdiv(M, BM), N, BN, GROUP_M)
     _, cols, rmask, nmask, rows64, cols64 = _tile_index(pid_m * BM, M, pid_n, N, BM, BN)
     k0 = tl.program_id(1) * k_per_split
@@ -47,9 +49,10 @@ def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, s
 
 @triton.jit
 def split_k_sum_kernel(part, bias, out, x, M, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                       BLOCK: tl.constexpr, ROUND_TO_X: tl.constexpr = False):
+                       BLOCK: tl.constexpr, ROUND_TO_X: tl.constexpr = False, PDL: tl.constexpr = False):
     """out = part[0] + part[1] + ... (in this order, fp32) + bias, rounded once (ROUND_TO_X: to x's dtype,
     stored in out's; x is read for its dtype only)."""
+    pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(part + offs, mask=mask, other=0.0)

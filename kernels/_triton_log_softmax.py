@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ._backend import interpreter_on
 from ._triton_fused_ops import _expf
+from ._triton_pdl import pdl_wait
 from ._triton_torch_order import element, xor_step
 
 if interpreter_on():
@@ -34,8 +35,9 @@ def _thread_ids(TS: tl.constexpr):
 
 @triton.jit
 def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
-                     TS: tl.constexpr):
+                     TS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, part s): the max over the elements of its virtual threads (exact in any order)."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
     t = _thread_ids(TS)
@@ -58,11 +60,12 @@ def _row_max(part_max, r, S: tl.constexpr):
 
 @triton.jit
 def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
-                     TS: tl.constexpr, MP: tl.constexpr):
+                     TS: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, part s): each of its virtual threads' sum of exp(x - max) in torch's order (the float4
     vectors, each one's four in order, then the tail), then each warp's shuffle tree; lane 0 of each of its
     TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order). The max: of the row's MP
     entries of ``part_max`` (the S parts' maxima, or a given row max: MP = 1)."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
     t = _thread_ids(TS)
@@ -88,8 +91,9 @@ def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.c
 
 
 @triton.jit
-def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr):
+def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr, PDL: tl.constexpr = False):
     """Row program_id(0): its max, and the log of its 32 warp sums added by the block's tree."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, 32)
     warps = tl.load(warp_sums + r * 32 + col)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._triton_fused_ops import _div, _expf
+from ._triton_pdl import pdl_wait
 from ._triton_round import round_to
 from ._triton_torch_order import element, xor_step
 
@@ -43,7 +44,9 @@ def _logits_at(row, idx, mask, parts_stride, rd, PARTS: tl.constexpr):
 @triton.jit
 def _route_kernel(logits, stride, parts_stride, rd, w_out, id_out, E, K, W: tl.constexpr, LOG_W: tl.constexpr,
                   IT: tl.constexpr, K_SLOTS: tl.constexpr, LOG_SLOTS: tl.constexpr, BX: tl.constexpr,
-                  LOG_BX: tl.constexpr, NORM: tl.constexpr, HALVES: tl.constexpr, PARTS: tl.constexpr = 1):
+                  LOG_BX: tl.constexpr, NORM: tl.constexpr, HALVES: tl.constexpr, PARTS: tl.constexpr = 1,
+                  PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
     lane = tl.arange(0, W)

@@ -4,14 +4,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_pdl import pdl_wait
 from ._triton_torch_order import element
 
 
 @triton.jit
 def _block_stats_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, V, NB, BLOCK: tl.constexpr,
-                        RAW_MAX: tl.constexpr):
+                        RAW_MAX: tl.constexpr, PDL: tl.constexpr = False):
     """Pass 1, one program per (row, block): the block's max m of z = logits / t and its sum of exp(z - m) (0
     for a block without mass, whose m is -inf); RAW_MAX: also the block's max of the logits themselves."""
+    pdl_wait(PDL)
     row = logits + tl.program_id(0).to(tl.int64) * stride
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row + offs, mask=offs < V, other=float("-inf"))  # -inf past the vocabulary
@@ -27,13 +29,14 @@ def _block_stats_kernel(logits, stride, temp, block_max, block_sum, block_raw_ma
 
 @triton.jit
 def _pick_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, row_max, uniform, out, V, NB,
-                 BLOCK: tl.constexpr, NB_P2: tl.constexpr, RAW_MAX: tl.constexpr):
+                 BLOCK: tl.constexpr, NB_P2: tl.constexpr, RAW_MAX: tl.constexpr, PDL: tl.constexpr = False):
     """Pass 2, one program per row: the row's max M (of the block maxima), each block's sum rescaled to M
     (s exp(m - M)), the running sum before each block (a scan in a fixed order) and the total, the first
     block where the running sum passes draw x total (none can, when that product rounds up to the total:
     then the last block with mass, and its last token with mass), and inside it the token, by a cumulative
     sum of its exp(z - M). The blocks' values are one vector: no loop over blocks, no load per block.
     RAW_MAX: also the row's max of the logits (of its blocks' maxima: exact) into ``row_max``."""
+    pdl_wait(PDL)
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     t = tl.load(temp)
@@ -67,9 +70,11 @@ def _pick_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, row_
 
 @triton.jit
 def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, logprobs, tab_stride, stopped, stop,
-                   ids, pos, trash, WRITE_TOKENS: tl.constexpr, ADVANCE: tl.constexpr, STATS: tl.constexpr):
+                   ids, pos, trash, WRITE_TOKENS: tl.constexpr, ADVANCE: tl.constexpr, STATS: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Row program_id(0) of ``sampling.record_tokens``: integer moves and one fp32 copy (STATS: logp holds the
     logits and the log-prob is (logits[tok] - mx) - logsum, torch's epilogue), nothing else rounded."""
+    pdl_wait(PDL)
     i = tl.program_id(0)
     t = tl.load(tok + i)
     n = tl.load(nxt + i)
@@ -90,8 +95,9 @@ def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, lo
 
 @triton.jit
 def _step_inputs_kernel(pos, slots, tokens, uniform, tab_stride, slot_ids, seq_lens, nxt, forced, draw, B, max_pos,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Rows of block program_id(0) of ``sampling.step_inputs``: integer moves, a min and two table reads."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < B
     p = tl.load(pos + i, mask=m, other=0)

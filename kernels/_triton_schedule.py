@@ -13,11 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_pdl import pdl_wait
+
 
 @triton.jit
 def tile_schedule_kernel(off_ptr, expert_ptr, row_ptr, n_valid_ptr, E, bound, BM: tl.constexpr,
-                         BE: tl.constexpr, BI: tl.constexpr):
+                         BE: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr = False):
     """Row tiles of BM rows per expert, valid ones first: slot i -> (expert or -1, first row); n_valid."""
+    pdl_wait(PDL)
     e = tl.arange(0, BE)
     live = e < E
     lo = tl.load(off_ptr + e, mask=live, other=0).to(tl.int64)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _backend
 from .weights import _u8, decode_f16
 
 WORD_VARIANTS = ("decode32", "small", "w16w")
@@ -48,7 +49,8 @@ def launch_dense(a, wq, w_f16, out, bias, cfg: dict, k_chunk: int = 0) -> torch.
         m, n, k, tiles_m, a_words.stride(0), w_rs, a_s.stride(0), w_s.stride(0), 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
         BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, SCALE_WORDS=words, SWAP=variant == "small",
-        W_F16=variant == "w16w", A_F16=variant == "small", KC=k_chunk, **cfg)
+        W_F16=variant == "w16w", A_F16=variant == "small", KC=k_chunk, **cfg,
+        **_backend.pdl_meta(tw.nvfp4_mm_w32_kernel, out.device))
     return out
 
 
@@ -79,5 +81,5 @@ def launch_grouped(a, ex, out, cfg: dict, tiles, k_chunk: int = 0) -> torch.Tens
         m, n, k, 0, a_words.stride(0), w_rs, a_s.stride(0), w_s.stride(1), w_ec, w_s.stride(0), gw.stride(0),
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2, HAS_BIAS=False, GROUPED=True,
         BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, SCALE_WORDS=words, SWAP=False, W_F16=variant == "w16w", KC=k_chunk,
-        **cfg)
+        **cfg, **_backend.pdl_meta(tw.nvfp4_mm_w32_kernel, out.device))
     return out

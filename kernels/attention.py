@@ -219,19 +219,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                    BD=F64_BD,
                                    DIRECT=splits == 1, QK_STAGES=f64_qk_stages(bh), PV_UNROLL=unroll,
                                    PV_MASKED=masked,
-                                   num_warps=_f64_decode_warps(bh, d), num_stages=1)
+                                   num_warps=_f64_decode_warps(bh, d), num_stages=1,
+                                   **_backend.pdl_meta(ta.decode_f64_kernel, q.device))
     else:
         qc = q.to(k_cache.dtype)
         ta.decode_fast_kernel[grid](qc, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
                                     hq, rep, *qc.stride()[:2], *strides[2:], scaling * 1.4426950408889634,
                                     D=d, BH=max(16, _pow2(rep)), BN=FAST_BN, DIRECT=splits == 1,
                                     UPCAST_DOT=_backend.interpreter_on(), num_warps=2 if d <= 64 else 4,
-                                    num_stages=2)
+                                    num_stages=2, **_backend.pdl_meta(ta.decode_fast_kernel, q.device))
         # H200, CUDA-graph medians: the small model's D = 64 at batch 256 and 96-288 keys 9.0-23.7 us with two
         # warps (four: 11.0-27.0); Qwen3-30B-A3B's D = 128 at batch 64 best with four
     if splits > 1:
         ta.merge_splits_kernel[(b, hq)](part_acc, part_ml, out, hq, splits, D=d, SPLITS_P2=_pow2(splits), F64=f64,
-                                        num_warps=1 if d <= 64 else 2)
+                                        num_warps=1 if d <= 64 else 2,
+                                        **_backend.pdl_meta(ta.merge_splits_kernel, q.device))
     return out
 
 

@@ -90,6 +90,8 @@ struct Params {
   // the number of tiles the routing makes (see ``cta_range``); else, and while the tiles fit the grid's y, the
   // grid's x picks a row block, its y the tiles
   int balanced;
+  int pdl;  // programmatic dependent launch: 0 off; 1 wait, next kernel may start at once; 2 wait, it may start
+            // as each CTA ends (``_cuda_decode.PDL_MODE``)
 };
 
 // (only grouped launches take a_rows: the dense builds index their rows directly, with no branch in their
@@ -392,6 +394,17 @@ __device__ __forceinline__ void cta_range(int n_tiles, int G, int R, int& u, int
 // block: 32 W threads (W = R * C). ROWS: RG may be above 1. FRAG: weight codes in fragment order.
 // The grouped decode default (one token tile, row groups in sequence, fragment-order codes) is held to 168
 // registers (sm_90 ptxas, no spills) so that three 4-warp CTAs fit an SM: three warps per scheduler
+// Programmatic dependent launch: wait until the previous kernel in the stream has finished and its writes are
+// visible, then let the next kernel's CTAs start as SMs free up (every CTA passes here once, before it exits, so
+// this kernel's end still implies the end of every kernel before it).
+__device__ __forceinline__ void pdl_wait(bool& waited, bool trigger = true) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  waited = true;
+}
+
 template <int NT, bool GROUPED, bool ROWS, bool FRAG>
 struct Occupancy {
   static constexpr bool kThree = NT == 1 && GROUPED && ROWS && FRAG;
@@ -446,6 +459,11 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
   constexpr int kCodeStep = FRAG ? 16 * kStepBytes : kStepBytes;
 
   int* tile_start = reinterpret_cast<int*>(smem + L.tiles);
+  // PDL: nothing the previous kernel may write is read (nor anything written) before its writes are visible.
+  // Grouped: the tiles come from the expert offsets, so wait first; dense: the ring's first D - 1 weight steps
+  // (the weight is no kernel's output) stream in while the previous kernel finishes, then wait
+  bool waited = !p.pdl;
+  if (GROUPED && !waited) pdl_wait(waited, p.pdl == 1);
   if (GROUPED) {
     if (warp == 0) scan_tiles<NT>(p, tile_start, lane);
     __syncthreads();
@@ -494,15 +512,6 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     const uint8_t* src_s = ws + static_cast<size_t>(row0 + (lane >> 1)) * ks + 4 * (lane & 1);
     const size_t c8 = FRAG ? kFragHalf : 8 * kh;
     const bool has_bias = p.bias != nullptr;
-    float ga_m[NT][2];
-#pragma unroll
-    for (int jt = 0; jt < NT; ++jt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m0 + 8 * jt + 2 * t + h;
-        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row<GROUPED>(p, m) : 0] : 0.0f;
-      }
-
     // the ring's producer: my step ji (K step si of row group ri) -> slot ji % D, one commit group per call;
     // past my last step the copies read nothing (source size 0; the cursor runs on beyond the weight, never
     // dereferenced, as CUTLASS's zero-fill copies do). Then the cursor moves to my next
@@ -544,6 +553,15 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     __syncthreads();  // the previous tile's readers of the ring, the token buffers and the chunk sums are done
 #pragma unroll 1
     for (int j = 0; j < D - 1; ++j) issue_next();
+    if (!waited) pdl_wait(waited, p.pdl == 1);
+    float ga_m[NT][2];
+#pragma unroll
+    for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + 8 * jt + 2 * t + h;
+        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row<GROUPED>(p, m) : 0] : 0.0f;
+      }
 
     // token segment 0, then the next segments' units in registers while a segment computes
     TokenUnit tu[kUnits];
@@ -732,6 +750,10 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     }
     cp_async_wait<0>();
   }
+  if (!waited) pdl_wait(waited, p.pdl == 1);  // a CTA without a tile still waits before it exits
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.pdl == 2) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped, row groups in sequence,
@@ -757,8 +779,18 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
     if (err != cudaSuccess) return static_cast<int>(err);
     raised[dev] = smem;
   }
-  decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG><<<dim3(grid_x, grid_y), warps * 32, smem, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid_x, grid_y);
+  cfg.blockDim = dim3(warps * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG>, p);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 template <int NT, bool GROUPED, bool ROWS>
@@ -797,7 +829,8 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t chunk_log2, int64_t lanes, int64_t row_groups, int64_t grid_y, int64_t offsets,
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
-                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t stream) {
+                           int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t pdl,
+                           int64_t stream) {
   using namespace minite_decode;
   Params p;
   p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
@@ -828,6 +861,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.a_rows = reinterpret_cast<const void*>(a_rows);
   p.a_rows64 = static_cast<int>(a_rows64);
   p.balanced = static_cast<int>(balanced);
+  p.pdl = static_cast<int>(pdl);
   const int64_t nsteps = K / 128;
   if (warps < 1 || warps > 8 || (warps & (warps - 1)) || lanes < 1 || warps % lanes || (lanes & (lanes - 1)) ||
       chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1 ||

@@ -217,7 +217,9 @@ def _use_triton(backend, x: torch.Tensor) -> bool:
 
 
 def _launch(kernel, grid, *args, **meta):
-    kernel[grid](*args, **meta, enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    kernel[grid](*args, **meta, **_backend.pdl_meta(kernel, dev),
+                 enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
 
 
 def _cdiv(a: int, b: int) -> int:

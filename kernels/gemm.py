@@ -19,7 +19,7 @@ import torch
 
 from minite.nvfp4 import NVFP4Tensor
 
-from . import _torch_gemm, blackwell
+from . import _backend, _torch_gemm, blackwell
 from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, _check_tensor, _u8,  # noqa: F401
                       decode_f16, gemm_path, prepare_experts, prepare_weight, stack_experts)
 
@@ -218,7 +218,7 @@ def _proven(cfg: dict, device) -> bool:
 
 def _cuda_module(device):
     """The built CUDA decode kernel for this GPU, or None."""
-    from . import _backend, _cuda_decode
+    from . import _cuda_decode
     if device.type != "cuda" or not _cuda_decode.enabled():
         return None
     return _cuda_decode.module(_backend.capability(device))
@@ -345,7 +345,7 @@ def _triton_dense(a, w, out_dtype, bias, config=None) -> torch.Tensor:
         m, n, k, tiles_m, 0, 0, 0,
         GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 1, HAS_BIAS=bias is not None, GROUPED=False,
         BM=bm, BN=bn, BK=tg.BK, GROUP_M=gm, A_F16=variant == "f16", W_F16=variant != "decode", KC=k_chunk(),
-        **cfg)
+        **cfg, **_backend.pdl_meta(tg.nvfp4_mm_kernel, out.device))
     return out
 
 
@@ -499,7 +499,8 @@ def _tile_schedule(offsets: torch.Tensor, m: int, bm: int):
     n_valid = torch.empty(1, dtype=torch.int64, device=dev)
     bi = 64
     ts.tile_schedule_kernel[(triton.cdiv(bound, bi),)](offsets, tile_e, tile_r, n_valid, e, bound, BM=bm,
-                                                       BE=max(16, triton.next_power_of_2(e)), BI=bi)
+                                                       BE=max(16, triton.next_power_of_2(e)), BI=bi,
+                                                       **_backend.pdl_meta(ts.tile_schedule_kernel, dev))
     return tile_e, tile_r, bound, n_valid
 
 
@@ -601,7 +602,7 @@ def _triton_grouped(a, ex: NVFP4Experts, offsets, out_dtype, config=None, k_segm
             m, n, k, 0, ws_c, scales.stride(0), gw.stride(0),
             GA_ROW=ga.dim() == 1, GW_ROW=gw.dim() == 2 and k_segments == 1, HAS_BIAS=False, GROUPED=True,
             BM=bm, BN=bn, BK=tg.BK, GROUP_M=1, A_F16=variant == "f16", W_F16=variant != "decode", KC=k_chunk(),
-            W_KSEG=k_segments, **cfg)
+            W_KSEG=k_segments, **cfg, **_backend.pdl_meta(tg.nvfp4_mm_kernel, dev))
     except Exception as exc:  # OutOfResources, or a compiler failure on this GPU's Triton
         if explicit or dev.type == "cpu":
             raise

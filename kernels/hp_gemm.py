@@ -77,7 +77,8 @@ def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False, a
     invariant_mm_kernel[grid](x, w, bias_arg, part if out is None else out, part, m, n, k, k_per, x.stride(0),
                               x.stride(1), w.stride(0), w.stride(1), HAS_BIAS=has_bias, SPLIT_K=splits, BM=bm,
                               BN=bn, BK=BK, GROUP_M=group, UPCAST_DOT=_backend.interpreter_on(),
-                              ROUND_TO_X=round_to_x, **cfg)
+                              ROUND_TO_X=round_to_x, **cfg,
+                              **_backend.pdl_meta(invariant_mm_kernel, x.device))
     if splits == 1:
         return out
     if not add_parts:
@@ -92,7 +93,8 @@ def _sum(part, bias, out, x, round_to_x: bool) -> torch.Tensor:
     block = 1024
     split_k_sum_kernel[(_cdiv(m * n, block),)](part, part if bias is None else bias, out, x, m, n,
                                                 HAS_BIAS=bias is not None, SPLIT_K=splits, BLOCK=block,
-                                                ROUND_TO_X=round_to_x, num_warps=4)
+                                                ROUND_TO_X=round_to_x, num_warps=4,
+                                                **_backend.pdl_meta(split_k_sum_kernel, x.device))
     return out
 
 

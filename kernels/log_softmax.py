@@ -100,15 +100,18 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: t
         k = main // (ILP * THREADS)
         if row_max is None:
             part_max = torch.empty(b, s, device=dev, dtype=torch.float32)
-            _max_part_kernel[(b, s)](logits, logits.stride(0), part_max, v, k, main, **shape)
+            _max_part_kernel[(b, s)](logits, logits.stride(0), part_max, v, k, main, **shape,
+                                     **_backend.pdl_meta(_max_part_kernel, dev))
         else:
             if row_max.shape != (b,) or row_max.dtype != torch.float32 or row_max.device != dev:
                 raise ValueError(f"row_max must be fp32 [{b}] on {dev}, got {row_max.dtype} "
                                  f"{tuple(row_max.shape)} on {row_max.device}")
             part_max = row_max.contiguous()
         mp = part_max.numel() // b
-        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, MP=mp, **shape)
-        _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, MP=mp, num_warps=1)
+        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, MP=mp, **shape,
+                                 **_backend.pdl_meta(_sum_part_kernel, dev))
+        _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, MP=mp, num_warps=1,
+                             **_backend.pdl_meta(_finish_kernel, dev))
     return LogSoftmaxRows(logits, mx, logsum)
 
 

@@ -210,7 +210,8 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
                                         RHT=rht_mode, TILE_IN_GROUP=rpg % pbr == 0, num_warps=pwarps)
         else:
             K._amax_kernel[grid](x, gather_t, bits, *common, rpg, BR=br, BC=bc, GATHER=gather is not None,
-                                 RHT=rht_mode, TILE_IN_GROUP=rpg % br == 0, num_warps=warps)
+                                 RHT=rht_mode, TILE_IN_GROUP=rpg % br == 0, num_warps=warps,
+                                 **_backend.pdl_meta(K._amax_kernel, dev))
         amax_t = bits.view(torch.float32)
         if check and not bool(torch.isfinite(amax_t).all()):
             raise ValueError("NVFP4 quantize: input contains NaN or Inf; refusing to produce codes")
@@ -263,6 +264,7 @@ def _cast(x, *, formula="te", tile=(1, 16), scaling="tensor", amax=None, global_
                 torch.float16: K.DQ_F16_GEMM}[dq_dtype],
             CHECK=check_here, SDEC_ROWS=sdec_rows is not None,
             FORMULA=K.FORMULA_VLLM if vllm else K.FORMULA_TE, GIVEN_G=given_g, num_warps=warps,
+            **_backend.pdl_meta(K._cast_kernel, dev),
             enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
     flags = bad.any(dim=1).tolist() if check_here else []  # one sync
     if any(flags):

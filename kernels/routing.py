@@ -180,7 +180,7 @@ def route_fused(logits, top_k: int, norm_topk: bool, out_dtype, tree: str,
         _route_kernel[(t,)](x, x.stride(-2), t * e, rd, weights, ids, e, top_k, W=w, LOG_W=w.bit_length() - 1,
                             IT=width // w, K_SLOTS=SLOTS, LOG_SLOTS=SLOTS.bit_length() - 1, BX=bx,
                             LOG_BX=bx.bit_length() - 1, NORM=norm_topk, HALVES=tree == "halves", PARTS=parts,
-                            num_warps=1, enable_fp_fusion=False)
+                            num_warps=1, enable_fp_fusion=False, **_backend.pdl_meta(_route_kernel, logits.device))
     return weights, ids
 
 

@@ -102,9 +102,10 @@ def _triton_sample(logits, temperature, uniform, row_max: bool = False):
         block_sum = torch.empty_like(block_max)
         raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder (and row_max's) when not written
         _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, raw, v, nb, BLOCK=BLOCK,
-                                     RAW_MAX=row_max, num_warps=8)
+                                     RAW_MAX=row_max, num_warps=8, **_backend.pdl_meta(_block_stats_kernel, x.device))
         _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, raw, mx if row_max else raw, u, out, v, nb,
-                           BLOCK=BLOCK, NB_P2=nb_p2, RAW_MAX=row_max, num_warps=8)
+                           BLOCK=BLOCK, NB_P2=nb_p2, RAW_MAX=row_max, num_warps=8,
+                           **_backend.pdl_meta(_pick_kernel, x.device))
     return out, mx
 
 
@@ -141,7 +142,8 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
         ids, pos = advance if advance is not None else (tok, nxt)
         _record_kernel[(b,)](tok, lp, lp.stride(0), logp.mx if stats else lp, logp.logsum if stats else lp, slots,
                              nxt, end, tokens, logprobs, tokens.stride(0), stopped, stop, ids, pos, trash,
-                             WRITE_TOKENS=bool(write_tokens), ADVANCE=advance is not None, STATS=stats, num_warps=1)
+                             WRITE_TOKENS=bool(write_tokens), ADVANCE=advance is not None, STATS=stats, num_warps=1,
+                             **_backend.pdl_meta(_record_kernel, tok.device))
 
 
 class StepInputs(NamedTuple):
@@ -174,5 +176,6 @@ def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None =
     if b:
         block = 256
         _step_inputs_kernel[(-(-b // block),)](pos, slots, tokens, uniform, tokens.stride(0), *out, b, int(max_pos),
-                                               BLOCK=block, num_warps=4)
+                                               BLOCK=block, num_warps=4,
+                                               **_backend.pdl_meta(_step_inputs_kernel, pos.device))
     return out

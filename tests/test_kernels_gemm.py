@@ -165,6 +165,27 @@ def test_blackwell_dispatch_with_mocked_capability(monkeypatch):
     assert gemm_path(torch.device("cpu")) == "torch"
 
 
+def test_pdl_launch_arguments(monkeypatch):
+    """Programmatic dependent launch: only for kernels that take the PDL flag (and wait first), only on CUDA
+    sm_90+ outside the interpreter, and off with MINITE_KERNELS_PDL=0."""
+    from minite.kernels._quantize_kernels import _cast_kernel, _dequant_kernel
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_backend, "capability", lambda d: (9, 0))
+    assert _backend.pdl_meta(_cast_kernel, cuda) == {"PDL": True, "launch_pdl": True}
+    assert _backend.pdl_meta(_dequant_kernel, cuda) == {}  # no PDL flag: a plain launch
+    assert _backend.pdl_meta(_cast_kernel, torch.device("cpu")) == {}
+    monkeypatch.setattr(_backend, "capability", lambda d: (8, 0))
+    assert _backend.pdl_meta(_cast_kernel, cuda) == {}
+    monkeypatch.setattr(_backend, "capability", lambda d: (9, 0))
+    monkeypatch.setenv("MINITE_KERNELS_PDL", "0")
+    assert _backend.pdl_meta(_cast_kernel, cuda) == {}
+    monkeypatch.setenv("MINITE_KERNELS_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _backend.pdl_on(cuda)
+
+
 @pytest.mark.parametrize("rows,cols", [(128, 4), (300, 130), (1, 1), (256, 8)])
 def test_blackwell_scale_swizzle_round_trip(rows, cols):
     s = (torch.rand(rows, cols) * 400).to(torch.float8_e4m3fn)

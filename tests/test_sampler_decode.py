@@ -345,3 +345,23 @@ def test_gpu_resync_keeps_graphs(arm_name):
     runs.append(fresh.generate(SIX, 6, generator=torch.Generator(device="cuda").manual_seed(1)))
     for r in runs[1:]:
         assert torch.equal(r.tokens, runs[0].tokens) and torch.equal(r.logprobs, runs[0].logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arm_name", ARMS)
+def test_pdl_launches_give_the_plain_launches_bits(monkeypatch, arm_name):
+    """Kernels launched with programmatic dependent launch (the default on sm_90+) wait for the kernel before
+    them: the same tokens and log-probs as plain launches, bit for bit, through CUDA graphs."""
+    from minite.kernels import _backend
+
+    runs = []
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("MINITE_KERNELS_PDL", pdl)
+        assert _backend.pdl_on(torch.device("cuda")) == (pdl == "1" and torch.cuda.get_device_capability() >= (9, 0))
+        s = _gpu_sampler(arm_name)
+        s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5), stop_token=None)  # capture
+        out = s.generate(SIX, 16, generator=torch.Generator(device="cuda").manual_seed(5), stop_token=None)
+        assert s._runner.graphs
+        runs.append((out, s.score(out.tokens, out.prompt_lens)))
+    (a, sa), (b, sb) = runs
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs) and torch.equal(sa, sb)
