@@ -72,10 +72,10 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 def pdl_on(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL, sm_90+): a kernel's
-    programs may start while the previous kernel in the stream finishes, and wait (``griddepcontrol.wait``,
-    their first instruction) until its writes are visible. It hides the launch gap between the short kernels
-    of a decode step, CUDA graphs included; the values are those of a plain launch. Off on CPU, under the
-    interpreter, and with MINITE_KERNELS_PDL=0."""
+    programs may start while the previous kernel in the stream finishes, and wait (``griddepcontrol.wait``)
+    until its writes are visible before they read or write anything a kernel writes. It hides the launch gap
+    between the short kernels of a decode step, CUDA graphs included; the values are those of a plain launch.
+    Off on CPU, under the interpreter, and with MINITE_KERNELS_PDL=0."""
     return (device.type == "cuda" and not interpreter_on() and os.environ.get(PDL_ENV, "1") != "0"
             and capability(device) >= (9, 0))
 
