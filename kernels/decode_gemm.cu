@@ -379,6 +379,18 @@ __host__ __device__ inline Layout layout(int warps, int nsteps, int seg, int nch
   return l;
 }
 
+// Programmatic dependent launch: wait until the previous kernel in the stream has finished and its writes are
+// visible; with ``trigger`` also let the next kernel's CTAs start as SMs free up (else the kernel does so as its
+// CTAs end). Every CTA passes here once before it exits, so this kernel's end still implies the end of every
+// kernel before it.
+__device__ __forceinline__ void pdl_wait(bool& waited, bool trigger = true) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  waited = true;
+}
+
 // Balanced grouped launches, when the routing made more tiles than the grid has rows of CTAs (n_tiles >
 // gridDim.y; else every CTA runs the plain grid's schedule): the pairs (tile t, row group r) in the order t G + r
 // are shared out to the grid's P CTAs as ranges [u, u_end) of the same number of pairs, a multiple of R, which
@@ -394,17 +406,6 @@ __device__ __forceinline__ void cta_range(int n_tiles, int G, int R, int& u, int
 // block: 32 W threads (W = R * C). ROWS: RG may be above 1. FRAG: weight codes in fragment order.
 // The grouped decode default (one token tile, row groups in sequence, fragment-order codes) is held to 168
 // registers (sm_90 ptxas, no spills) so that three 4-warp CTAs fit an SM: three warps per scheduler
-// Programmatic dependent launch: wait until the previous kernel in the stream has finished and its writes are
-// visible, then let the next kernel's CTAs start as SMs free up (every CTA passes here once, before it exits, so
-// this kernel's end still implies the end of every kernel before it).
-__device__ __forceinline__ void pdl_wait(bool& waited, bool trigger = true) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (trigger) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-  waited = true;
-}
-
 template <int NT, bool GROUPED, bool ROWS, bool FRAG>
 struct Occupancy {
   static constexpr bool kThree = NT == 1 && GROUPED && ROWS && FRAG;
