@@ -44,8 +44,8 @@ def test_bench_learner_profile_csv(tmp_path, flag):
     assert rc == 0 and out.is_file()
     assert json.loads(out.read_text())["torch_profile"] == str(prof)      # outside the repository: as given
     df = pd.read_csv(prof)
-    assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms",
-                                "sha", "device"]
+    assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "own_device_ms", "device_ms",
+                                "self_cpu_ms", "cpu_ms", "sha", "device"]
     ranges = set(df.loc[df["name"].str.startswith("minite."), "name"])
     assert {"minite.quantize.weight", "minite.quantize.act", "minite.quantize.grad", "minite.gemm"} <= ranges
     assert (df["calls"] > 0).all() and df["cpu_ms"].max() > 0 and (df["arm"] == "minite_nvfp4").all()
@@ -82,3 +82,17 @@ def test_gpu_busy_time_counts_overlapping_kernels_once():
     # us: [0, 100) and [50, 150) overlap; [200, 250) apart; [210, 220) inside it
     assert busy_ms([(200, 250), (0, 100), (50, 150), (210, 220)]) == 0.2
     assert busy_ms([]) == 0.0
+
+
+def test_own_device_time_leaves_out_the_wait_for_the_kernel_before():
+    """A kernel launched with programmatic dependent launch starts inside the one before it (waiting there):
+    its own time starts where that one ends; one that ends inside another adds nothing; the sum is the busy
+    time."""
+    from minite.jobs.profiling import busy_ms, own_ms
+    # us: gemm [0, 100); cast starts at 80 (waits until 100), ends 130; next gemm starts at 120, ends 300;
+    # a short kernel [150, 160) inside it; norm [400, 410) after a gap
+    spans = [(120, 300, "gemm"), (0, 100, "gemm"), (80, 130, "cast"), (150, 160, "cast"), (400, 410, "norm")]
+    own = own_ms(spans)
+    assert own == {"gemm": 0.1 + 0.17, "cast": 0.03, "norm": 0.01}
+    assert abs(sum(own.values()) - busy_ms([sp[:2] for sp in spans])) < 1e-12
+    assert own_ms([]) == {}

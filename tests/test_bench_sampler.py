@@ -41,8 +41,8 @@ def test_bench_sampler_torch_profile(tmp_path):
     assert r["torch_profile"] == str(prof) and r["step_ms"]["n"] == 2
     assert r["torch_profile_generate"]["decode_steps"] == 2 and r["torch_profile_generate"]["wall_ms"] > 0
     df = pd.read_csv(prof)
-    assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "device_ms", "self_cpu_ms", "cpu_ms",
-                                "sha", "device"]
+    assert list(df.columns) == ["arm", "name", "calls", "self_device_ms", "own_device_ms", "device_ms",
+                                "self_cpu_ms", "cpu_ms", "sha", "device"]
     assert len(df) > 5 and (df["calls"] > 0).all() and df["self_cpu_ms"].max() > 0
     assert (df["arm"] == "minite_nvfp4").all() and (df["sha"] == r["sha"]).all()
 
