@@ -96,3 +96,20 @@ def test_own_device_time_leaves_out_the_wait_for_the_kernel_before():
     assert own == {"gemm": 0.1 + 0.17, "cast": 0.03, "norm": 0.01}
     assert abs(sum(own.values()) - busy_ms([sp[:2] for sp in spans])) < 1e-12
     assert own_ms([]) == {}
+
+
+def test_step_kernels_in_launch_order_with_their_own_times():
+    """Steps cut at the marker kernel; the most common sequence kept, a tenth trimmed at each end; per position
+    the median own time and duration."""
+    from minite.jobs.profiling import step_kernels, steps_path
+    spans, t = [], 0.0
+    for i in range(12):  # marker 2 us, then gemm 10 us, then cast starting 3 us before the gemm ends
+        gemm = 10.0 + (i == 5)  # one slow step: the medians ignore it
+        spans += [(t, t + 2, "mark"), (t + 2, t + 2 + gemm, "gemm"), (t + gemm - 1, t + gemm + 4, "cast")]
+        t += 20.0
+    spans += [(t, t + 2, "mark"), (t + 2, t + 5, "other")]  # an odd last step (no next marker: not a step)
+    table = step_kernels(spans, "mark")
+    assert [r["name"] for r in table] == ["mark", "gemm", "cast"] and table[0]["steps"] == 10
+    assert [r["own_us"] for r in table] == [2.0, 10.0, 2.0] and table[2]["duration_us"] == 5.0
+    assert step_kernels(spans, "absent") is None
+    assert steps_path("a/prof.csv") == "a/prof.steps.csv"

@@ -15,7 +15,8 @@ the cached BF16 dequantization for the emulated path). The KV cache is not a wei
 reported apart. Roofline: tokens/s if every step only read those bytes at the copy bandwidth measured in the
 same run (a large device-to-device copy, read + write bytes over its time); roofline_frac = measured /
 roofline. Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same
-prompts, CUDA graphs as timed) under torch.profiler, its kernels and ops in a CSV (``minite.jobs.profiling``).
+prompts, CUDA graphs as timed) under torch.profiler, its kernels and ops in a CSV (``minite.jobs.profiling``),
+and on the GPU one decode step's kernels in launch order with their own times in ``<CSV stem>.steps.csv``.
 """
 from __future__ import annotations
 
@@ -249,15 +250,21 @@ def count_step_ops(sampler, batch: int, pos: int) -> dict:
 
 
 def profile_generate(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int, path, meta: dict) -> dict:
-    """One more generate of ``measure``'s prompts under torch.profiler -> ``path`` (CSV); the summary, with the
-    number of decode steps it ran (the kernels and times in the CSV are for the whole generate)."""
+    """One more generate of ``measure``'s prompts under torch.profiler -> ``path`` (CSV; on the GPU also one
+    decode step's kernels, ``profiling.steps_path``); the summary, with the number of decode steps it ran (the
+    kernels and times in the CSV are for the whole generate)."""
     from minite.jobs.profiling import write_torch_profile
 
     prompts = random_prompts(batch, prompt_len, sampler.config.vocab_size, seed)
     gen = torch.Generator(device=sampler.device).manual_seed(seed)
+    cuda = sampler.device.type == "cuda"
+    marker = None
+    if cuda:  # every decode step starts with kernels.step_inputs: where the per-step table cuts
+        from minite.kernels._triton_sampling import _step_inputs_kernel
+        marker = _step_inputs_kernel.fn.__name__
     summary = write_torch_profile(
-        path, lambda: sampler.generate(prompts, new_tokens, generator=gen, stop_token=None),
-        sampler.device.type == "cuda", meta)
+        path, lambda: sampler.generate(prompts, new_tokens, generator=gen, stop_token=None), cuda, meta,
+        step_marker=marker)
     return {**summary, "decode_steps": new_tokens - 1}
 
 
