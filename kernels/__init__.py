@@ -63,24 +63,44 @@ exact pure PyTorch on CPU.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
 "triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
 """
-from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm, reads_f16_tokens
-from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts,
-                      prepare_weight, stack_experts)
-from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
-from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
-                       quantize_weight_groups)
-from .attention import decode_attention, invariant_attention
-from .hp_gemm import invariant_gemm, invariant_gemm_parts, sum_parts
-from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
-from .routing import route, route_parts
-from .log_softmax import LogSoftmaxRows, log_softmax_rows
-from . import fused_ops
+if __name__ == "kernels":
+    # This directory is minite.kernels. It is imported as a top-level "kernels" only when the repository root is
+    # on sys.path (``python -m ...`` run from the root puts it first), where that name is Hugging Face's
+    # package, which transformers imports (and requires from 5.25 on): load that package in this one's place,
+    # or fail as its absence would.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-__all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
-           "dequantize", "nvfp4_gemm", "dense_weight_bytes", "reads_f16_tokens", "DecodedNVFP4Tensor",
-           "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
-           "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
-           "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
-           "invariant_gemm_parts", "sum_parts", "route_parts",
-           "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
-           "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ is minite.kernels)",
+                                  name="kernels")
+    _hf = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _hf
+    _spec.loader.exec_module(_hf)
+else:
+    from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm, reads_f16_tokens
+    from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts,
+                          prepare_weight, stack_experts)
+    from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
+    from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
+                           quantize_weight_groups)
+    from .attention import decode_attention, invariant_attention
+    from .hp_gemm import invariant_gemm, invariant_gemm_parts, sum_parts
+    from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
+    from .routing import route, route_parts
+    from .log_softmax import LogSoftmaxRows, log_softmax_rows
+    from . import fused_ops
+
+    __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
+               "dequantize", "nvfp4_gemm", "dense_weight_bytes", "reads_f16_tokens", "DecodedNVFP4Tensor",
+               "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
+               "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
+               "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
+               "invariant_gemm_parts", "sum_parts", "route_parts",
+               "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
+               "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]
