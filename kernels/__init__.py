@@ -66,8 +66,9 @@ backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and P
 if __name__ == "kernels":
     # This directory is minite.kernels. It is imported as a top-level "kernels" only when the repository root is
     # on sys.path (``python -m ...`` run from the root puts it first), where that name is Hugging Face's
-    # package, which transformers imports (and requires from 5.25 on): load that package in this one's place,
-    # or fail as its absence would.
+    # package, which transformers imports (and requires from 5.25 on): load that package in this one's place.
+    # Where it is not installed, stand in as an empty namespace package (no file, no version: what
+    # transformers, probing for the package by importing it, counts as absent).
     import importlib.machinery
     import importlib.util
     import os
@@ -77,11 +78,12 @@ if __name__ == "kernels":
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
     if _spec is None:
-        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ is minite.kernels)",
-                                  name="kernels")
+        _spec = importlib.machinery.ModuleSpec("kernels", None, is_package=True)
+        _spec.submodule_search_locations = []
     _hf = importlib.util.module_from_spec(_spec)
     sys.modules["kernels"] = _hf
-    _spec.loader.exec_module(_hf)
+    if _spec.loader is not None:
+        _spec.loader.exec_module(_hf)
 else:
     from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm, reads_f16_tokens
     from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts,

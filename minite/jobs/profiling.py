@@ -26,14 +26,9 @@ STEP_COLUMNS = ["arm", "position", "name", "own_us", "duration_us", "steps", "sh
 
 
 def busy_ms(intervals) -> float:
-    """Length of the union of (start, end) intervals in microseconds (the time at least one runs), in ms."""
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total, end = total + (b - a), b
-        elif b > end:
-            total, end = total + (b - end), b
-    return total / 1e3
+    """Length of the union of (start, end) intervals in microseconds (the time at least one runs), in ms: the
+    sum of their own times (``_own_each``)."""
+    return sum(e[3] for e in _own_each([(a, b, None) for a, b in intervals])) / 1e3
 
 
 def _own_each(spans) -> list[tuple]:
