@@ -12,13 +12,11 @@ the Triton path (a warning says why, once). ``_decode_twin`` mirrors its fragmen
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
 
-from . import _backend
+from . import _backend, _cuda_build
 
 SOURCE = Path(__file__).with_name("decode_gemm.cu")
 STEP_K = 128         # K per step (the kernels' BK)
@@ -51,38 +49,17 @@ PDL_MODE = 2
 
 def enabled() -> bool:
     """False when MINITE_KERNELS_CUDA=0 (then the Triton kernels serve every M)."""
-    return os.environ.get("MINITE_KERNELS_CUDA", "1") != "0"
+    return _cuda_build.enabled()
 
 
-def arch_flag(cap: tuple[int, int]) -> str:
-    major, minor = cap
-    return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+arch_flag = _cuda_build.arch_flag
 
 
 @functools.cache
 def module(cap: tuple[int, int]):
     """The built extension for a device of compute capability ``cap``, or None (reason warned once)."""
-    if not enabled():
-        return None
-    if cap < (8, 0):
-        return _unavailable(f"mma.sync m16n8k16 needs sm_80 or newer (device is sm_{cap[0]}{cap[1]})")
-    from torch.utils import cpp_extension
-    nvcc = Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
-    if not nvcc.exists():
-        return _unavailable("no nvcc found (set CUDA_HOME)")
-    try:
-        return cpp_extension.load_inline(
-            name=f"minite_decode_gemm_sm{cap[0]}{cap[1]}", cpp_sources=[_DECL], cuda_sources=[SOURCE.read_text()],
-            functions=["decode_gemm_launch"], extra_cuda_cflags=["-O3", arch_flag(cap)],
-            verbose=False)
-    except Exception as exc:  # compiler missing pieces, or a build error
-        return _unavailable(f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")
-
-
-def _unavailable(why: str):
-    warnings.warn(f"minite.kernels: the CUDA decode GEMM is unavailable: {why}; using the Triton kernels",
-                  RuntimeWarning, stacklevel=3)
-    return None
+    return _cuda_build.load("minite_decode_gemm", SOURCE, _DECL, ["decode_gemm_launch"], cap, (8, 0),
+                            "decode GEMM", "mma.sync m16n8k16")
 
 
 def supports(k: int, n: int, a, w_codes: torch.Tensor, w_scales: torch.Tensor) -> bool:

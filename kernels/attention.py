@@ -11,7 +11,9 @@
         Hq / Hkv query heads (no repeat_interleave copy). Values outside those ranges are undefined on the GPU.
         numerics "fast": bf16 dots, fp32 softmax/accumulators (what SDPA does); bits depend on ``splits``.
         numerics "invariant": float64 throughout, bitwise equal to ``invariant_attention_reference`` and
-        to ``invariant_attention`` at the same positions, whatever ``splits``.
+        to ``invariant_attention`` at the same positions, whatever ``splits``. On CUDA: the fp64 tensor-core
+        kernel (``_cuda_attention``) where it is built and takes the operands (BF16, head dim 64 / 128,
+        16-byte aligned rows) and no Triton knob (``head_groups``, backend="triton") is given; else Triton.
     invariant_attention(query, key, value, scaling, keep=None, causal=True, backend=None) -> [B, Tq, Hq, D]
         Full-sequence float64 attention, flash style (online softmax, no [Tq, Tk] buffer), bitwise equal to
         ``invariant_attention_reference``.
@@ -189,21 +191,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention kernel: head dim {d} must be a power of two in [16, 256]")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("decode_attention: the head dim of q and of the caches must be contiguous")
-    splits = int(splits) if splits else default_splits(b, hkv, s_max, q.device)
-    if not 1 <= splits <= MAX_SPLITS:
+    if splits is not None and not 1 <= int(splits) <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     from . import _triton_attention as ta
     rep = hq // hkv
+    f64 = numerics == "invariant"
+    cuda = None  # the fp64 tensor-core kernel: "invariant" on CUDA, unless a Triton knob or backend is asked for
+    if f64 and head_groups is None and (backend or "auto") == "auto":
+        from . import _cuda_attention as ca
+        cuda = ca.module_for(q.device) if ca.supports(q, k_cache, v_cache) else None
+    if cuda is not None:
+        splits, warps = ca.config(b, hkv, rep, s_max, _sm_count(q.device), int(splits) if splits else None)
+    else:
+        splits = int(splits) if splits else default_splits(b, hkv, s_max, q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    f64 = numerics == "invariant"
     acc_dtype = torch.float64 if f64 else torch.float32
     part_acc = torch.empty(b * hq * splits * d if splits > 1 else 1, dtype=acc_dtype, device=q.device)
     part_ml = torch.empty(b * hq * splits * 2 if splits > 1 else 1, dtype=acc_dtype, device=q.device)
     grid = (b, hkv, splits)
     strides = (*q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3])
-    if f64:
+    if cuda is not None:
+        ca.launch(cuda, q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out, scaling, splits, warps)
+    elif f64:
         groups = int(head_groups) if head_groups else f64_head_groups(b, hkv, rep, q.device)
         if not 1 <= groups <= rep:
             raise ValueError(f"head_groups must be in [1, {rep}] (query heads per KV head), got {groups}")

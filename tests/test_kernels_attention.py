@@ -193,6 +193,37 @@ def test_bad_inputs():
         A.invariant_attention(q[:, :, None], kc[:, :, :4], vc[:, :, :4], 0.25, keep=torch.ones(1, 4, dtype=torch.int8))
 
 
+def test_cuda_attention_config_rule():
+    from minite.kernels import _cuda_attention as ca
+    # (batch, KV heads, query heads per KV head, cache length) -> (splits, warps) on 132 SMs
+    cases = {(64, 4, 8, 96): (1, 2), (64, 4, 8, 1024): (1, 4), (8, 4, 8, 96): (2, 4), (256, 4, 4, 288): (1, 2),
+             (1, 4, 8, 96): (2, 4), (16, 4, 16, 64): (1, 4)}
+    for shape, want in cases.items():
+        assert ca.config(*shape, 132) == want, shape
+    assert ca.config(8, 4, 8, 96, 132, splits=5) == (5, 2)  # a caller's splits stand
+
+
+def test_cuda_attention_operands_and_availability(monkeypatch):
+    from minite.kernels import _cuda_attention as ca
+    q, (kc, vc) = _q(2, 8, 128), _cache(3, 1, 32, 128)
+    assert ca.supports(q, kc, vc)
+    assert not ca.supports(q.float(), kc, vc)                         # not BF16
+    assert not ca.supports(_q(2, 8, 32), *_cache(3, 1, 32, 32))        # head dim not compiled
+    wide = torch.zeros(3, 1, 32, 132, dtype=torch.bfloat16)[..., :128]
+    assert not ca.supports(q, wide, vc)                                # positions 264 bytes apart
+    shifted = torch.zeros(kc.numel() + 4, dtype=torch.bfloat16)[4:].view(kc.shape)
+    assert not ca.supports(q, kc, shifted)                             # base not 16-byte aligned
+    assert ca.module_for(torch.device("cpu")) is None
+    ca.module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="float64 decode attention.*sm_80"):
+            assert ca.module((7, 5)) is None
+        monkeypatch.setenv("MINITE_KERNELS_CUDA", "0")
+        assert ca.module((9, 0)) is None
+    finally:
+        ca.module.cache_clear()
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 def _gpu_decode_case(b, hq, hkv, d, s_max, seed=0):
     dev = torch.device("cuda")
@@ -216,6 +247,27 @@ def test_gpu_decode_vs_reference(hq, hkv, d):
     fast = A.decode_attention(q, kc, vc, ids, lens, d ** -0.5, "fast")
     sdpa = A.decode_attention_reference(q, kc, vc, ids, lens, d ** -0.5, "fast")
     assert (fast.float() - sdpa.float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (24, 4, 128), (16, 4, 64), (8, 8, 64)])
+def test_gpu_cuda_decode_attention_every_warp_count_and_split(hq, hkv, d):
+    from minite.kernels import _cuda_attention as ca, _triton_attention as ta
+    mod = ca.module(torch.cuda.get_device_capability())
+    assert mod is not None, "the CUDA fp64 decode attention did not build"
+    q, kc, vc, ids, lens = _gpu_decode_case(24, hq, hkv, d, 600, seed=4)
+    want = A.decode_attention_reference(q, kc, vc, ids, lens, d ** -0.5, "invariant")
+    b = q.shape[0]
+    for splits in (1, 3):
+        for warps in (1, 2, 4, 8):
+            out = torch.empty_like(q)
+            pa = torch.empty(b * hq * splits * d, dtype=torch.float64, device=q.device)
+            pm = torch.empty(b * hq * splits * 2, dtype=torch.float64, device=q.device)
+            ca.launch(mod, q, kc, vc, ids, lens, pa, pm, out, d ** -0.5, splits, warps)
+            if splits > 1:
+                ta.merge_splits_kernel[(b, hq)](pa, pm, out, hq, splits, D=d, SPLITS_P2=4, F64=True)
+            assert torch.equal(out, want), (splits, warps)
+    assert torch.equal(A.decode_attention(q, kc, vc, ids, lens, d ** -0.5, "invariant", backend="triton"), want)
 
 
 @pytest.mark.gpu

@@ -324,8 +324,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (one layer of the KV cache); slot_ids [B] int32: the sequence's cache row; seq_lens [B] int32 (>= 1):
     keys 0 .. seq_len - 1 are attended. Returns [B, Hq, D] in q's dtype. ``numerics``: "fast" (the sdpa
     arms: bf16 dots, fp32 softmax) or "invariant" (float64 throughout: the bits of ``invariant_attention``
-    at that position). ``minite.kernels.decode_attention``: the Triton kernel on CUDA (GQA without copies
-    of the cache, no host sync, fixed grid per batch size), its PyTorch reference on CPU."""
+    at that position). ``minite.kernels.decode_attention``: the CUDA / Triton kernels on the GPU (GQA without
+    copies of the cache, no host sync, fixed grid per batch size), its PyTorch reference on CPU."""
     if numerics not in ATTENTION_NUMERICS:
         raise ValueError(f"attention numerics {numerics!r}: expected one of {ATTENTION_NUMERICS}")
     # the step's rows and lengths are the sampler's own (in range by construction): no read back to check them
