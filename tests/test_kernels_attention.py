@@ -252,7 +252,8 @@ def test_gpu_decode_vs_reference(hq, hkv, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (24, 4, 128), (16, 4, 64), (8, 8, 64)])
 def test_gpu_cuda_decode_attention_every_warp_count_and_split(hq, hkv, d):
-    from minite.kernels import _cuda_attention as ca, _triton_attention as ta
+    from minite.kernels import _cuda_attention as ca
+    from minite.kernels import _triton_attention as ta
     mod = ca.module(torch.cuda.get_device_capability())
     assert mod is not None, "the CUDA fp64 decode attention did not build"
     q, kc, vc, ids, lens = _gpu_decode_case(24, hq, hkv, d, 600, seed=4)
