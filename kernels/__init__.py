@@ -61,7 +61,10 @@ exact pure PyTorch on CPU.
     fused_ops: the decode step's non-GEMM ops (RMSNorm with its residual add, q/k norm + rotary + KV-cache
         write, SiLU * up, the expert sort and the experts' weighted sum), each bitwise its op-by-op reference.
 backend: None/"auto" (MINITE_KERNELS_BACKEND, else Triton for CUDA tensors and PyTorch for CPU ones),
-"triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Notes and measurements: docs/KERNELS_NOTES.md.
+"triton" (CPU tensors under TRITON_INTERPRET=1), "torch". Two CUDA kernels, built on first use with nvcc
+(``_cuda_build``; MINITE_KERNELS_CUDA=0 turns them off), take over where they apply under "auto", with the
+same bits: the decode-regime NVFP4 GEMM (``decode_gemm.cu``) and the float64 decode attention on the fp64
+tensor cores (``decode_attention.cu``). Notes and measurements: docs/KERNELS_NOTES.md.
 """
 if __name__ == "kernels":
     # This directory is minite.kernels. It is imported as a top-level "kernels" only when the repository root is

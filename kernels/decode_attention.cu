@@ -31,8 +31,8 @@ namespace minite_attention {
 constexpr int kMaxWarps = 8;
 constexpr int kRows = 8;  // query heads per row group (the mma's M)
 // Key tiles of 8 per chunk, q.k chains per key tile, ring slots per warp. H200, CUDA-graph medians, every variant
-// bitwise the reference (docs/KERNELS_NOTES.md): (2, 4, 2) was best or within 0.8 us of the best at every shape
-// measured among (1, 8, 3|4), (2, 4, 2|3), (2, 8, 3), (4, 2|4, 2).
+// bitwise the reference (docs/KERNELS_NOTES.md): among (1, 8, 3|4), (2, 4, 2|3), (2, 8, 3), (4, 2|4, 2), (2, 4, 2)
+// was the best at 64 keys and more (Qwen3-30B-A3B and the small model's shapes), within 1.2 us of it at 1-33.
 constexpr int kTiles = 2, kSplit = 4, kDepth = 2;
 
 struct Params {
