@@ -3,11 +3,14 @@ attention, the batch-invariant BF16 GEMM) for sm_90 without a GPU, as ``sm90_com
 GEMMs, and print registers / spills (``cuobjdump -res-usage`` on the cubin), shared memory and the MMA /
 cp.async counts. Fails on a kernel that does not build, does not fit an H200's shared memory, or spills
 where it should not (the fp64 attention kernels are register-bound by design: spills there are reported,
-and fail only above SPILL_LIMIT bytes)."""
+and fail only above SPILL_LIMIT bytes). Where nvcc is installed, also the CUDA decode attention
+(``decode_attention.cu``, each head dim: registers and spills from ptxas, its fp64 mma count from the SASS;
+a spill fails it)."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,6 +76,36 @@ def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     return (int(regs.group(1)) if regs else None, int(local.group(1)) if local else None)
 
 
+def compile_cuda_attention() -> int:
+    """nvcc -cubin of ``decode_attention.cu`` for sm_90; one line per instantiation. Returns the failures (0
+    without nvcc: nothing to check)."""
+    from . import _cuda_attention, _cuda_build
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("skip cuda decode attention: no nvcc on PATH")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "a.cubin")
+        run = subprocess.run([nvcc, "-O3", _cuda_build.arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o", cubin,
+                              str(_cuda_attention.SOURCE)], capture_output=True, text=True)
+        if run.returncode != 0:
+            print(f"FAIL cuda decode attention: {run.stderr[-1500:]}")
+            return 1
+        from triton import knobs
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", cubin], capture_output=True, text=True).stdout
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
+    bad = 0
+    # ptxas -v prints, per entry: its name, then its spills, then its registers
+    for name, spills, regs in re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
+                                         r"Used (\d+) registers", run.stderr, re.S):
+        d = re.search(r"ILi(\d+)E", name)
+        ok = int(spills) == 0
+        bad += not ok
+        print(f"{'ok  ' if ok else 'SPIL'} cuda decode attention D{d.group(1) if d else '?'}: regs {regs} spill "
+              f"bytes {spills} DMMA {bodies.get(name, '').count('DMMA')}")
+    return bad
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET first", file=sys.stderr)
@@ -96,6 +129,7 @@ def main() -> int:
               f"wgmma {ptx.count('wgmma.mma_async'):3d} mma.sync {ptx.count('mma.sync'):3d} "
               f"cp.async {ptx.count('cp.async.cg') + ptx.count('cp.async.ca'):3d} fma.f64 {ptx.count('fma.rn.f64'):4d}",
               flush=True)
+    bad += compile_cuda_attention()
     return 1 if bad else 0
 
 
