@@ -97,28 +97,38 @@ def configs():
         yield "grouped", dict(c)
 
 
+def nvcc_sm90(source, what: str) -> tuple[str, dict[str, str]] | None:
+    """nvcc -cubin of a CUDA source for sm_90: (ptxas -v's report, each function's SASS by mangled name; empty
+    without cuobjdump), or None after printing why (no nvcc: "skip", a build error: "FAIL")."""
+    from ._cuda_build import arch_flag
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print(f"skip {what}: no nvcc on PATH")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        run = subprocess.run([nvcc, "-O3", arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o", cubin, str(source)],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            print(f"FAIL {what}: {run.stderr[-1500:]}")
+            return None
+        tool = _cuobjdump()
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout if tool else ""
+    # cuobjdump prints "Function : <name>" before each function's SASS
+    return run.stderr, dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
+
+
 def compile_cuda() -> int:
     """nvcc -cubin of the CUDA decode kernel for sm_90; prints each instantiation's registers and spills, and
     (with cuobjdump) its main loop's instructions per K step. Returns the number of failures (0 when nvcc is
     absent: nothing to check)."""
     from . import _cuda_decode
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        print("skip cuda decode kernel: no nvcc on PATH")
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        run = subprocess.run([nvcc, "-O3", _cuda_decode.arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o", cubin,
-                              str(_cuda_decode.SOURCE)], capture_output=True, text=True)
-        if run.returncode != 0:
-            print(f"FAIL cuda decode kernel: {run.stderr[-1500:]}")
-            return 1
-        tool = _cuobjdump()
-        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout if tool else ""
-    # per function: its SASS text (cuobjdump prints "Function : <name>" before each)
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
+    built = nvcc_sm90(_cuda_decode.SOURCE, "cuda decode kernel")
+    if built is None:
+        return 0 if shutil.which("nvcc") is None else 1
+    report, bodies = built
     name = None
-    for line in run.stderr.splitlines():
+    for line in report.splitlines():
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
             name, spills = m.group(1), 0

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from .sm90_compile import SMEM_LIMIT, compile_one
+from .sm90_compile import SMEM_LIMIT, compile_one, nvcc_sm90
 
 SPILL_LIMIT = 256  # stack bytes (spills) a kernel may use (the 16-row GQA group spills a little)
 
@@ -79,25 +79,15 @@ def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 def compile_cuda_attention() -> int:
     """nvcc -cubin of ``decode_attention.cu`` for sm_90; one line per instantiation. Returns the failures (0
     without nvcc: nothing to check)."""
-    from . import _cuda_attention, _cuda_build
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        print("skip cuda decode attention: no nvcc on PATH")
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "a.cubin")
-        run = subprocess.run([nvcc, "-O3", _cuda_build.arch_flag((9, 0)), "-cubin", "-Xptxas", "-v", "-o", cubin,
-                              str(_cuda_attention.SOURCE)], capture_output=True, text=True)
-        if run.returncode != 0:
-            print(f"FAIL cuda decode attention: {run.stderr[-1500:]}")
-            return 1
-        from triton import knobs
-        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", cubin], capture_output=True, text=True).stdout
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass, re.S))
+    from . import _cuda_attention
+    built = nvcc_sm90(_cuda_attention.SOURCE, "cuda decode attention")
+    if built is None:
+        return 0 if shutil.which("nvcc") is None else 1
+    report, bodies = built
     bad = 0
     # ptxas -v prints, per entry: its name, then its spills, then its registers
     for name, spills, regs in re.findall(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
-                                         r"Used (\d+) registers", run.stderr, re.S):
+                                         r"Used (\d+) registers", report, re.S):
         d = re.search(r"ILi(\d+)E", name)
         ok = int(spills) == 0
         bad += not ok
