@@ -52,9 +52,6 @@ def enabled() -> bool:
     return _cuda_build.enabled()
 
 
-arch_flag = _cuda_build.arch_flag
-
-
 @functools.cache
 def module(cap: tuple[int, int]):
     """The built extension for a device of compute capability ``cap``, or None (reason warned once)."""
