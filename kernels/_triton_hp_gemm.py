@@ -13,10 +13,14 @@ from ._triton_round import round_to
 def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, swn, swk,
                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                        ROUND_TO_X: tl.constexpr = False, PDL: tl.constexpr = False):
+                        ROUND_TO_X: tl.constexpr = False, temp=None, zmax=None, zsum=None, raw_max=None,
+                        STATS: tl.constexpr = False, PDL: tl.constexpr = False):
     """out (or part[split]) tile = x[rows, ks] @ w[cols, ks].T over this split's K range, BK at a time.
     UPCAST_DOT (interpreter only): fp32 operands; the interpreter's dot multiplies bf16 storage bits.
-    ROUND_TO_X: round to x's dtype, then store in out's (a wider one: the same values, no cast pass after)."""
+    ROUND_TO_X: round to x's dtype, then store in out's (a wider one: the same values, no cast pass after).
+    STATS (one split): also the sampler's first pass over the tile's stored values, per row and BN-wide block
+    of columns (``sampling._block_stats_kernel``'s operations): the max of z = value / temp, the sum of
+    exp(z - max) (0 for a block without mass), the max of the values, at [row, pid_n] of [M, cdiv(N, BN)]."""
     pdl_wait(PDL)
     pid_m, pid_n = _l2_tile(tl.cdiv(M, BM), N, BN, GROUP_M)
     _, cols, rmask, nmask, rows64, cols64 = _tile_index(pid_m * BM, M, pid_n, N, BM, BN)
@@ -42,6 +46,15 @@ def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, s
         else:
             val = round_to(acc, out.dtype.element_ty)
         tl.store(out + rows64[:, None] * N + cols64[None, :], val, mask=omask)
+        if STATS:
+            v = tl.where(nmask[None, :], val.to(tl.float32), float("-inf"))
+            z = v / tl.load(temp)
+            m = tl.max(z, axis=1)
+            s = tl.sum(tl.where(nmask[None, :], tl.exp(z - m[:, None]), 0.0), axis=1)
+            at = rows64 * tl.cdiv(N, BN) + pid_n
+            tl.store(zmax + at, m, mask=rmask)
+            tl.store(zsum + at, tl.where(m == float("-inf"), 0.0, s), mask=rmask)
+            tl.store(raw_max + at, tl.max(v, axis=1), mask=rmask)
     else:
         p = part + tl.program_id(1).to(tl.int64) * M * N
         tl.store(p + rows64[:, None] * N + cols64[None, :], acc, mask=omask)

@@ -164,3 +164,62 @@ def test_step_inputs_kernel_equals_the_reference(device, b):
         assert o.dtype == r.dtype and torch.equal(o, r)
     assert int(out.nxt[0]) == width - 1 and int(out.seq_lens[0]) == width
     assert S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="torch").draw.dtype == torch.float32
+
+
+def _lm_head_case(m, v, k, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g)).to(device=device, dtype=torch.bfloat16)
+    w = (torch.randn(v, k, generator=g) * 0.2).to(device=device, dtype=torch.bfloat16)
+    return x, w, torch.rand(m, generator=g).to(device)
+
+
+def _check_epilogue_stats(x, w, u, temperature, backend=None):
+    """The GEMM's logits are invariant_gemm's; its block statistics are the first pass's (maxima exact, sums to
+    fp32 rounding); a draw from them is an inverse-CDF draw and equals the reference away from boundaries."""
+    from minite.kernels import hp_gemm
+    logits, stats = hp_gemm.invariant_logits(x, w, temperature, backend=backend)
+    assert stats is not None and logits.dtype == torch.float32
+    assert torch.equal(logits, hp_gemm.invariant_gemm(x, w, backend=backend, out_dtype=torch.float32))
+    b, v = logits.shape
+    nb = -(-v // stats.block)
+    pad = torch.full((b, nb * stats.block - v), float("-inf"), device=logits.device)
+    blocks = torch.cat([logits, pad], 1).view(b, nb, stats.block)
+    z = blocks / stats.temperature
+    assert torch.equal(stats.zmax, z.amax(-1)) and torch.equal(stats.raw_max, blocks.amax(-1))
+    want = torch.exp(z.double() - stats.zmax.double()[..., None]).sum(-1)
+    assert torch.allclose(stats.zsum.double(), want, rtol=1e-5)
+    tok, mx = S.sample_tokens_with_max(logits, temperature, u, backend=backend or "triton", stats=stats)
+    assert torch.equal(mx, logits.amax(-1))
+    t = float(temperature)
+    _check_valid(logits.cpu(), t, u.cpu(), tok.cpu(), slack=1e-4)
+    ref = S.sample_tokens_reference(logits, t, u)
+    lo, hi = _f64_interval(logits.cpu(), t, ref.cpu())
+    clear = (((u.cpu().double() - lo) > 1e-4) & ((hi - u.cpu().double()) > 1e-4)).to(tok.device)
+    assert torch.equal(tok[clear], ref[clear])
+    return stats
+
+
+@pytest.mark.parametrize("m,v", [(5, 1000), (3, 64)])
+def test_lm_head_epilogue_takes_the_first_pass(m, v):
+    """``hp_gemm.invariant_logits`` under the interpreter: blocks of its tile width, the last one partial."""
+    x, w, u = _lm_head_case(m, v, 96, seed=m + v)
+    stats = _check_epilogue_stats(x, w, u, 0.7, backend="triton")
+    assert stats.zmax.shape == (m, -(-v // stats.block))
+    with pytest.raises(ValueError, match="do not fit"):
+        S.sample_tokens_with_max(torch.zeros(m, v + stats.block), 0.7, u, backend="triton", stats=stats)
+
+
+def test_lm_head_epilogue_is_none_where_the_exact_path_runs():
+    from minite.kernels import hp_gemm
+    x, w, _ = _lm_head_case(3, 200, 64, seed=1)
+    logits, stats = hp_gemm.invariant_logits(x, w, 1.0, backend="torch")
+    assert stats is None and torch.equal(logits, hp_gemm.invariant_gemm(x, w, backend="torch",
+                                                                         out_dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16, 64, 200])
+def test_gpu_lm_head_epilogue_takes_the_first_pass(m):
+    x, w, u = _lm_head_case(m, 32000, 2048, seed=m, device="cuda")
+    _check_epilogue_stats(x, w, u, torch.tensor(0.8, device="cuda"))
