@@ -85,7 +85,8 @@ def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False, a
                               ROUND_TO_X=round_to_x, temp=part if stats is None else stats.temperature,
                               zmax=part if stats is None else stats.zmax,
                               zsum=part if stats is None else stats.zsum,
-                              raw_max=part if stats is None else stats.raw_max, STATS=stats is not None, **cfg,
+                              raw_max=part if stats is None else stats.raw_max, STATS=stats is not None,
+                              STREAM_W=grid[0] == _cdiv(n, bn) and not _backend.interpreter_on(), **cfg,
                               **_backend.pdl_meta(invariant_mm_kernel, x.device))
     if splits == 1:
         return out
