@@ -43,11 +43,9 @@ exact pure PyTorch on CPU.
         batch-invariant BF16 x @ w.T: fp32 accumulation in one fixed K order for every M (exact float64 on CPU).
     invariant_gemm_parts(x, w, backend=None) -> [S, M, N] | None; sum_parts(parts, dtype, out_dtype=None)
         its split-K partial sums where it splits K (the router), and their sum pass (the same bits).
-    invariant_logits(x, w, temperature, backend=None) -> ([M, N] fp32, BlockStats | None): the fp32-stored
-        invariant GEMM with the sampler's first pass (``sample_tokens_with_max(..., stats=)``) in its epilogue
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B]
         inverse-CDF sampling, one draw per row, CUDA-graph safe; two Triton passes without top_p.
-    sample_tokens_with_max(logits, temperature, uniform, top_p=None, backend=None, stats=None) -> ([B], [B] fp32)
+    sample_tokens_with_max(logits, temperature, uniform, top_p=None, backend=None) -> ([B], [B] fp32)
         the same, and each row's max of the logits from the same read.
     log_softmax_rows(logits, backend=None, row_max=None) -> [B, V] | LogSoftmaxRows(logits, mx, logsum)
         torch.log_softmax(logits, -1), or (where its order is reproduced) just each row's max and log-sum;
@@ -97,8 +95,8 @@ else:
     from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
                            quantize_weight_groups)
     from .attention import decode_attention, invariant_attention
-    from .hp_gemm import invariant_gemm, invariant_gemm_parts, invariant_logits, sum_parts
-    from .sampling import BlockStats, StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
+    from .hp_gemm import invariant_gemm, invariant_gemm_parts, sum_parts
+    from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
     from .routing import route, route_parts
     from .log_softmax import LogSoftmaxRows, log_softmax_rows
     from . import fused_ops
@@ -108,6 +106,6 @@ else:
                "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
                "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
                "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
-               "invariant_gemm_parts", "invariant_logits", "sum_parts", "route_parts", "BlockStats",
+               "invariant_gemm_parts", "sum_parts", "route_parts",
                "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
                "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]

@@ -13,16 +13,10 @@ from ._triton_round import round_to
 def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, swn, swk,
                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                        ROUND_TO_X: tl.constexpr = False, temp=None, zmax=None, zsum=None, raw_max=None,
-                        STATS: tl.constexpr = False, STREAM_W: tl.constexpr = False, PDL: tl.constexpr = False):
+                        ROUND_TO_X: tl.constexpr = False, PDL: tl.constexpr = False):
     """out (or part[split]) tile = x[rows, ks] @ w[cols, ks].T over this split's K range, BK at a time.
     UPCAST_DOT (interpreter only): fp32 operands; the interpreter's dot multiplies bf16 storage bits.
-    ROUND_TO_X: round to x's dtype, then store in out's (a wider one: the same values, no cast pass after).
-    STATS (one split): also the sampler's first pass over the tile's stored values, per row and BN-wide block
-    of columns (``sampling._block_stats_kernel``'s operations): the max of z = value / temp, the sum of
-    exp(z - max) (0 for a block without mass), the max of the values, at [row, pid_n] of [M, cdiv(N, BN)]; the
-    values are then stored to stay in L2 (the draw's second pass and the log-softmax read them next).
-    STREAM_W (one row tile: each weight tile is read once): the weight's loads are marked to leave L2 first."""
+    ROUND_TO_X: round to x's dtype, then store in out's (a wider one: the same values, no cast pass after)."""
     pdl_wait(PDL)
     pid_m, pid_n = _l2_tile(tl.cdiv(M, BM), N, BN, GROUP_M)
     _, cols, rmask, nmask, rows64, cols64 = _tile_index(pid_m * BM, M, pid_n, N, BM, BN)
@@ -32,16 +26,10 @@ def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, s
     x_ptrs = x + rows64[:, None] * sxm + kk[None, :] * sxk
     w_ptrs = w + cols64[:, None] * swn + kk[None, :] * swk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if STATS:
-        t = tl.load(temp)  # here, where its latency hides behind the K loop's
     for k in range(k0, k_end, BK):
         kmask = (k + kk) < k_end
         a = tl.load(x_ptrs + k * sxk, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if STREAM_W:
-            b = tl.load(w_ptrs + k * swk, mask=nmask[:, None] & kmask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            b = tl.load(w_ptrs + k * swk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w_ptrs + k * swk, mask=nmask[:, None] & kmask[None, :], other=0.0)
         if UPCAST_DOT:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc)
@@ -53,18 +41,7 @@ def invariant_mm_kernel(x, w, bias, out, part, M, N, K, k_per_split, sxm, sxk, s
             val = round_to(acc, x.dtype.element_ty).to(out.dtype.element_ty)
         else:
             val = round_to(acc, out.dtype.element_ty)
-        if STATS:
-            tl.store(out + rows64[:, None] * N + cols64[None, :], val, mask=omask, eviction_policy="evict_last")
-            v = tl.where(nmask[None, :], val.to(tl.float32), float("-inf"))
-            z = v / t
-            m = tl.max(z, axis=1)
-            s = tl.sum(tl.where(nmask[None, :], tl.exp(z - m[:, None]), 0.0), axis=1)
-            at = rows64 * tl.cdiv(N, BN) + pid_n
-            tl.store(zmax + at, m, mask=rmask)
-            tl.store(zsum + at, tl.where(m == float("-inf"), 0.0, s), mask=rmask)
-            tl.store(raw_max + at, tl.max(v, axis=1), mask=rmask)
-        else:
-            tl.store(out + rows64[:, None] * N + cols64[None, :], val, mask=omask)
+        tl.store(out + rows64[:, None] * N + cols64[None, :], val, mask=omask)
     else:
         p = part + tl.program_id(1).to(tl.int64) * M * N
         tl.store(p + rows64[:, None] * N + cols64[None, :], acc, mask=omask)

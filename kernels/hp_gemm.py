@@ -5,9 +5,6 @@
     invariant_gemm_parts(x, w, backend=None) -> [S, M, N] fp32 | None: its split-K partial sums, where it
         splits K (the router), for a consumer that adds them itself (the routing kernel)
     sum_parts(parts, dtype, out_dtype=None) -> [M, N]: the sum pass of those parts, invariant_gemm's bits
-    invariant_logits(x, w, temperature, backend=None) -> ([M, N] fp32, sampling.BlockStats | None):
-        invariant_gemm(x, w, out_dtype=float32) and, where its Triton path runs without split-K, the sampler's
-        first pass over those logits from the GEMM's epilogue (one read of the [M, N] logits fewer)
 
 Row i's bits do not depend on M (or on the run): batch invariance comes from a fixed reduction order, not
 from extra precision. Every config does bf16 x bf16 -> fp32 tensor-core dots over the same K steps (BK = 64,
@@ -64,11 +61,9 @@ def _configs(m: int, n: int) -> tuple[dict, ...]:
     return (BIG_CONFIG, MID_CONFIG)
 
 
-def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False, add_parts: bool = True,
-            stats=None):
+def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False, add_parts: bool = True):
     """The GEMM into ``out`` (split K: partial sums, then the sum pass); add_parts False: return the [S, M, N]
-    partial sums, no sum pass (``out`` unused). ``stats`` (one split, a ``sampling.BlockStats`` of BN-wide
-    blocks): written by the epilogue."""
+    partial sums, no sum pass (``out`` unused)."""
     from ._triton_hp_gemm import invariant_mm_kernel
     m, k = x.shape
     n = w.shape[0]
@@ -82,11 +77,7 @@ def _launch(x, w, bias, out, cfg: dict, splits: int, round_to_x: bool = False, a
     invariant_mm_kernel[grid](x, w, bias_arg, part if out is None else out, part, m, n, k, k_per, x.stride(0),
                               x.stride(1), w.stride(0), w.stride(1), HAS_BIAS=has_bias, SPLIT_K=splits, BM=bm,
                               BN=bn, BK=BK, GROUP_M=group, UPCAST_DOT=_backend.interpreter_on(),
-                              ROUND_TO_X=round_to_x, temp=part if stats is None else stats.temperature,
-                              zmax=part if stats is None else stats.zmax,
-                              zsum=part if stats is None else stats.zsum,
-                              raw_max=part if stats is None else stats.raw_max, STATS=stats is not None,
-                              STREAM_W=grid[0] == _cdiv(n, bn) and not _backend.interpreter_on(), **cfg,
+                              ROUND_TO_X=round_to_x, **cfg,
                               **_backend.pdl_meta(invariant_mm_kernel, x.device))
     if splits == 1:
         return out
@@ -162,25 +153,6 @@ def invariant_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None =
         return out
     cfg = dict(config) if config else pick_config(m, n, x.device, x.dtype)
     return _launch(x, w, bias, out, cfg, split_k(n, x.shape[1]), round_to_x=wide)
-
-
-def invariant_logits(x: torch.Tensor, w: torch.Tensor, temperature, backend: str | None = None):
-    """(``invariant_gemm(x, w, out_dtype=torch.float32)``, its ``sampling.BlockStats`` at ``temperature``
-    (> 0; a number or a device tensor) or None): where the Triton path runs in one split, its epilogue takes
-    each row's statistics per tile-wide block of the values it stores, so ``sample_tokens_with_max(logits,
-    ..., stats=)`` skips its own pass over the logits. Same logits bits either way; None where the exact
-    path or split-K runs (the sampler then takes its own pass)."""
-    from .sampling import BlockStats
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.device != w.device:
-        raise ValueError(f"expected x [M, K] and w [N, K] on one device; got {tuple(x.shape)}, {tuple(w.shape)}")
-    m, n = x.shape[0], w.shape[0]
-    if not _triton_operands(x, w, backend) or m == 0 or n == 0 or split_k(n, x.shape[1]) > 1:
-        return invariant_gemm(x, w, backend=backend, out_dtype=torch.float32), None
-    cfg = pick_config(m, n, x.device, x.dtype)
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    stats = BlockStats.empty(m, n, cfg["BN"], temperature, x.device)
-    _launch(x, w, None, out, cfg, 1, round_to_x=True, stats=stats)
-    return out, stats
 
 
 def _triton_operands(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> bool:

@@ -21,11 +21,6 @@ the last bits: where a draw lands within that rounding of a boundary the two may
 Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
 kernel token against a float64 CDF.
 
-    BlockStats(block, zmax, zsum, raw_max, temperature): that first pass's output, per row and block of
-        ``block`` logits ([B, cdiv(V, block)] fp32 each, at temperature [1] fp32). The lm_head GEMM can write it
-        from its epilogue (``hp_gemm.invariant_logits``, blocks of its tile width); ``sample_tokens_with_max(...,
-        stats=)`` then runs the second pass only. The blocks' width changes the sums' order, not the contract.
-
     record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens,
                   advance=None, backend=None)
         The decode step's bookkeeping for rows i < B, in one launch on CUDA (about ten small PyTorch ops,
@@ -55,24 +50,6 @@ from .log_softmax import LogSoftmaxRows
 BLOCK = 4096      # logits per block: 37 blocks of a 151,936-id vocabulary, one 16 KB read per pass and block
 
 
-class BlockStats(NamedTuple):
-    """The inverse-CDF sampler's first pass (module docstring) over logits [B, V]: per row and block of
-    ``block`` logits, the max of z = logits / temperature, the sum of exp(z - max) (0 without mass) and the
-    max of the logits themselves."""
-    block: int
-    zmax: torch.Tensor         # [B, NB] fp32
-    zsum: torch.Tensor         # [B, NB] fp32
-    raw_max: torch.Tensor      # [B, NB] fp32
-    temperature: torch.Tensor  # [1] fp32, on the device: the t of z
-
-    @staticmethod
-    def empty(b: int, v: int, block: int, temperature, device) -> BlockStats:
-        nb = -(-v // block)
-        t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
-        new = lambda: torch.empty(b, nb, dtype=torch.float32, device=device)  # noqa: E731
-        return BlockStats(block, new(), new(), new(), t.to(device=device, dtype=torch.float32).reshape(1))
-
-
 def sample_tokens_reference(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None) -> torch.Tensor:
     """softmax -> (top_p filter) -> cumulative sum -> the first token whose cumulative probability exceeds
     draw x total (strictly below the total, so the search lands on a token whose probability is not 0)."""
@@ -94,44 +71,41 @@ def sample_tokens(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_
 
 
 def sample_tokens_with_max(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None,
-                           backend: str | None = None, row_max: bool = True, stats: BlockStats | None = None):
+                           backend: str | None = None, row_max: bool = True):
     """``sample_tokens`` and (``row_max``) each row's max of the logits, fp32 [B]: from the kernels' one read
     of the logits on CUDA, else ``amax``; exact either way (a max does not round). The log-softmax statistics
-    of the same logits take it instead of a pass of their own (``log_softmax_rows(..., row_max=)``).
-    ``stats``: the first pass, already taken over these logits at ``stats.temperature`` (which is then the
-    temperature used; ``hp_gemm.invariant_logits``); the Triton path runs its second pass only."""
+    of the same logits take it instead of a pass of their own (``log_softmax_rows(..., row_max=)``)."""
     if logits.dim() != 2 or uniform.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [B, V] and uniform [B]; got {tuple(logits.shape)}, {tuple(uniform.shape)}")
-    if stats is not None and stats.zmax.shape != (logits.shape[0], -(-logits.shape[1] // stats.block)):
-        raise ValueError(f"stats of blocks of {stats.block} over {tuple(stats.zmax.shape)} do not fit logits "
-                         f"{tuple(logits.shape)}")
     if top_p is not None or _backend.resolve(backend, logits.device) != "triton":
         tok = sample_tokens_reference(logits, temperature, uniform, top_p)
         return tok, logits.float().amax(-1) if row_max and logits.shape[1] else None
-    return _triton_sample(logits, temperature, uniform, row_max, stats)
+    return _triton_sample(logits, temperature, uniform, row_max)
 
 
-def _triton_sample(logits, temperature, uniform, row_max: bool = False, stats: BlockStats | None = None):
+def _triton_sample(logits, temperature, uniform, row_max: bool = False):
     from ._triton_sampling import _block_stats_kernel, _pick_kernel
 
     b, v = logits.shape
     x = logits.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
+    t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
+    t = t.to(device=x.device, dtype=torch.float32).reshape(1)
     u = uniform.to(torch.float32).contiguous()
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     mx = torch.empty(b, dtype=torch.float32, device=x.device) if row_max else None
     if b:
-        if stats is None:
-            stats = BlockStats.empty(b, v, BLOCK, temperature, x.device)
-            _block_stats_kernel[(b, stats.zmax.shape[1])](
-                x, x.stride(0), stats.temperature, stats.zmax, stats.zsum, stats.raw_max, v, stats.zmax.shape[1],
-                BLOCK=BLOCK, RAW_MAX=row_max, num_warps=8, **_backend.pdl_meta(_block_stats_kernel, x.device))
-        nb = stats.zmax.shape[1]
+        nb = -(-v // BLOCK)
         nb_p2 = max(2, 1 << (nb - 1).bit_length())
-        _pick_kernel[(b,)](x, x.stride(0), stats.temperature, stats.zmax, stats.zsum, stats.raw_max,
-                           mx if row_max else stats.raw_max, u, out, v, nb, BLOCK=stats.block, NB_P2=nb_p2,
-                           RAW_MAX=row_max, num_warps=8, **_backend.pdl_meta(_pick_kernel, x.device))
+        block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
+        block_sum = torch.empty_like(block_max)
+        raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder (and row_max's) when not written
+        _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, raw, v, nb, BLOCK=BLOCK,
+                                     RAW_MAX=row_max, num_warps=8, **_backend.pdl_meta(_block_stats_kernel, x.device))
+        _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, raw, mx if row_max else raw, u, out, v, nb,
+                           BLOCK=BLOCK, NB_P2=nb_p2, RAW_MAX=row_max, num_warps=8,
+                           **_backend.pdl_meta(_pick_kernel, x.device))
     return out, mx
 
 

@@ -121,14 +121,3 @@ def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torc
         return y.reshape(*lead, weight.shape[0])
     y = torch.nn.functional.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
-
-
-def hp_logits(x: torch.Tensor, weight: torch.Tensor, invariant: bool, temperature):
-    """``hp_linear(x, weight, invariant, out_dtype=torch.float32)`` (an lm_head's logits before a draw) and,
-    where that runs the invariant GEMM, the draw's first pass at ``temperature`` from the GEMM's epilogue
-    (``kernels.invariant_logits``: a ``BlockStats`` for ``sample_tokens_with_max(..., stats=)``), else None."""
-    if _runs_invariant(invariant):
-        lead, k = x.shape[:-1], x.shape[-1]
-        y, stats = kernels.invariant_logits(x.reshape(-1, k), weight, temperature)
-        return y.reshape(*lead, weight.shape[0]), stats
-    return hp_linear(x, weight, invariant, out_dtype=torch.float32), None

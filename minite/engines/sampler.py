@@ -238,20 +238,16 @@ class Sampler:
                 cap("residual", h + out if mode == "hf" else (h.float() + out.float()).to(h.dtype))
         return h, pending
 
-    def _final_norm(self, h, pending, rows=None):
-        """Final (fused add +) norm on the selected rows [M] of the flattened [B*T] hidden."""
+    def _logits(self, h, pending, rows=None, calib=None, valid=None, out_dtype=None):
+        """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden.
+        ``out_dtype`` float32: the model-dtype logits' values, stored wider (for the fp32 log-softmax)."""
         hs = h.reshape(-1, self.hidden)
         if rows is not None:  # the last block's output taken whole (its k-sum too), then the selected rows
             hs, ps = hs[rows], ops.value(pending).reshape(-1, self.hidden)[rows]
         else:
             ps = pending.reshape(-1, self.hidden)
-        return ops.add_rms_norm(ps, hs, self.weights.norm, self.eps, self.recipe.non_gemm)[0]
-
-    def _logits(self, h, pending, rows=None, calib=None, valid=None, out_dtype=None):
-        """Final norm and lm_head on the selected rows [M] of the flattened [B*T] hidden. ``out_dtype``
-        float32: the model-dtype logits' values, stored wider (for the fp32 log-softmax)."""
-        return ops.linear(self._final_norm(h, pending, rows), self.weights.lm_head, self.recipe, calib, valid,
-                          out_dtype=out_dtype)
+        x, _ = ops.add_rms_norm(ps, hs, self.weights.norm, self.eps, self.recipe.non_gemm)
+        return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid, out_dtype=out_dtype)
 
     def _prefill(self, ids, lens, slots, capture=None):
         """Prompts ids [B, P] (PAD after each prompt's lens) into cache slots [B] -> the logits [B, V] at each
@@ -259,11 +255,10 @@ class Sampler:
         h, pend = self._layers(ids, self._prefill_positions(ids), slots, capture=capture)
         return self._logits(h, pend, torch.arange(ids.shape[0], device=self.device) * ids.shape[1] + lens - 1)
 
-    def _emit(self, logits, slots, nxt, mode, advance=False, cells=None, stats=None):
+    def _emit(self, logits, slots, nxt, mode, advance=False, cells=None):
         """The token at position ``nxt`` of each row (drawn, or teacher-forced in mode "score") and its
         temperature-1 log-prob, recorded in the decode state's tables (``advance``: and fed as the rows' next
-        input: ids = token, pos = nxt). ``cells``: the tables' (token, draw) at (slots, nxt), if read already.
-        ``stats``: the draw's first pass over ``logits``, taken by the lm_head GEMM (mode "sample")."""
+        input: ids = token, pos = nxt). ``cells``: the tables' (token, draw) at (slots, nxt), if read already."""
         st = self._state
         lf = logits.float()
         forced, draw = cells if cells is not None else (None, None)
@@ -274,7 +269,7 @@ class Sampler:
             tok = lf.argmax(dim=-1)
         else:
             tok, row_max = ops.sample_tokens_with_max(lf, st.temperature, st.top_p if mode == "top_p" else None,
-                                                      st.uniform[slots, nxt] if draw is None else draw, stats)
+                                                      st.uniform[slots, nxt] if draw is None else draw)
         # the trainer's log-softmax bits, as torch's [B, V] result or (where reproduced) its rows' statistics
         st.emit(tok, kernels.log_softmax_rows(lf, row_max=row_max), slots, nxt, write_tokens=mode != "score",
                 advance=advance)
@@ -288,16 +283,11 @@ class Sampler:
         at = pos[:, None]
         inp = kernels.step_inputs(pos, slots, st.tokens, st.uniform, self.max_seq_len - 1)  # one launch
         h, pend = self._layers(ids[:, None], at, slots, (inp.slot_ids, inp.seq_lens), capture)
-        x = self._final_norm(h, pend)
-        stats = None  # a draw's first pass over the logits, where the lm_head GEMM takes it in its epilogue
-        if mode == "sample":
-            logits, stats = ops.logits_for_draw(x, self.weights.lm_head, self.recipe, st.temperature)
-        else:  # _emit's fp32 input without a cast pass
-            logits = ops.linear(x, self.weights.lm_head, self.recipe, out_dtype=torch.float32)
+        logits = self._logits(h, pend, out_dtype=torch.float32)  # _emit's fp32 input without a cast pass
         if capture is not None:
             capture(-1, "logits", at, logits.to(h.dtype)[:, None])
         # ids[:b] = the token, pos[:b] = nxt
-        self._emit(logits, slots, inp.nxt, mode, advance=True, cells=(inp.forced, inp.draw), stats=stats)
+        self._emit(logits, slots, inp.nxt, mode, advance=True, cells=(inp.forced, inp.draw))
 
     def _mark(self, label: str) -> None:
         if self.on_step is not None:

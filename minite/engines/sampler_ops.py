@@ -31,7 +31,6 @@ from minite.engines.arms import EngineRecipe
 from minite.engines.gemm import (
     hp_linear,
     hp_linear_parts,
-    hp_logits,
     nvfp4_gemm,
     nvfp4_linear,
     qdq_activation,
@@ -167,15 +166,6 @@ def linear(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, calib: Calibrator | 
         return hp_linear(x, lin.weight, recipe.hp_gemm == "invariant", out_dtype=out_dtype)
     y = _quantized_linear(x, lin, recipe, calib, valid, codes)
     return y if out_dtype is None else y.to(out_dtype)
-
-
-def logits_for_draw(x: torch.Tensor, lin: Lin, recipe: EngineRecipe, temperature):
-    """``linear(x, lin, recipe, out_dtype=torch.float32)`` (the lm_head before a draw at ``temperature``) and,
-    for a BF16 lm_head on the invariant GEMM, the draw's first pass from that GEMM's epilogue
-    (``gemm.hp_logits``; for ``sample_tokens_with_max``), else None."""
-    if lin.quantized:
-        return linear(x, lin, recipe, out_dtype=torch.float32), None
-    return hp_logits(x, lin.weight, recipe.hp_gemm == "invariant", temperature)
 
 
 def _quantized_linear(x, lin, recipe, calib, valid, codes=None):
@@ -344,10 +334,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-def sample_tokens_with_max(logits: torch.Tensor, temperature, top_p, uniform: torch.Tensor, stats=None):
+def sample_tokens_with_max(logits: torch.Tensor, temperature, top_p, uniform: torch.Tensor):
     """logits [B, V] (fp32) -> (token ids [B], each row's max of the logits, fp32 [B], exact) from one read, the
     inverse CDF at each row's draw ``uniform`` [B], nothing read back to the host
     (``minite.kernels.sample_tokens_with_max``: Triton kernels on CUDA without top_p, else the PyTorch
-    reference). ``temperature`` (> 0) and ``top_p`` (None = 1): numbers or 0-dim device tensors. ``stats``:
-    the first pass, taken by the lm_head GEMM (``logits_for_draw``)."""
-    return kernels.sample_tokens_with_max(logits, temperature, uniform, top_p, stats=stats)
+    reference). ``temperature`` (> 0) and ``top_p`` (None = 1): numbers or 0-dim device tensors."""
+    return kernels.sample_tokens_with_max(logits, temperature, uniform, top_p)
