@@ -4,9 +4,15 @@ Each is a ``torch.utils.cpp_extension.load_inline`` build for the device's compu
 that take pointers and the stream as integers (the binding needs no tensor types). Without nvcc, below the
 kernel's architecture, with MINITE_KERNELS_CUDA=0, or when the build fails, ``load`` returns None (a warning
 says why, once per kernel and capability) and the callers use the Triton kernels.
+
+Interrupted builds. torch serialises builds of one extension with a plain file (``<build dir>/lock``): a build
+killed before it ends leaves it behind, and every later build of that extension waits on it forever. So the
+builds here first take an OS lock of their own on the build directory (``flock``: it dies with its holder);
+whoever holds it knows that no live build of this package owns torch's lock file, and removes a stale one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -37,12 +43,34 @@ def load(name: str, source: Path, decl: str, functions: list[str], cap: tuple[in
     nvcc = Path(cpp_extension.CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
     if not nvcc.exists():
         return _unavailable(what, "no nvcc found (set CUDA_HOME)")
+    ext = f"{name}_sm{cap[0]}{cap[1]}"
     try:
-        return cpp_extension.load_inline(
-            name=f"{name}_sm{cap[0]}{cap[1]}", cpp_sources=[decl], cuda_sources=[source.read_text()],
-            functions=functions, extra_cuda_cflags=["-O3", arch_flag(cap)], verbose=False)
+        build_dir = Path(cpp_extension._get_build_directory(ext, verbose=False))
+        with build_guard(build_dir):
+            return cpp_extension.load_inline(
+                name=ext, cpp_sources=[decl], cuda_sources=[source.read_text()], functions=functions,
+                extra_cuda_cflags=["-O3", arch_flag(cap)], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # compiler missing pieces, or a build error
         return _unavailable(what, f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")
+
+
+@contextlib.contextmanager
+def build_guard(build_dir: Path):
+    """Hold this package's OS lock on ``build_dir`` (waiting for a live build to end) and remove torch's lock
+    file if one is there: no live build of ours owns it (module docstring)."""
+    import fcntl
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "minite_build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the OS if this process dies
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                warnings.warn(f"minite.kernels: removing {stale}, left by a build that was interrupted",
+                              RuntimeWarning, stacklevel=3)
+                stale.unlink(missing_ok=True)
+            yield build_dir
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _unavailable(what: str, why: str):

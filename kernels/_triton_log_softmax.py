@@ -3,7 +3,8 @@
 torch's T = 1024 threads of a row are the lanes of [T / S] vectors in S programs per row (their sums kept
 apart, in torch's order), whatever the programs' own warps: the row's max from the S parts' maxima, then each
 part's threads' sums and warp trees, then one program per row adds the 32 warp sums by the block's tree. The
-bits do not depend on S. exp / log are libdevice's (numpy's under the interpreter).
+bits do not depend on S. exp / log are libdevice's (numpy's under the interpreter). BF16 / FP16 logits are
+widened as they are loaded: the values torch reads from their fp32 copy.
 """
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]      # thread t's float4 of a 4T chunk
     m = tl.full([TS, 4], float("-inf"), tl.float32)
     for k in range(K):
-        m = tl.maximum(m, tl.load(row + k * 4 * T + vec))
+        m = tl.maximum(m, tl.load(row + k * 4 * T + vec).to(tl.float32))
     mt = tl.full([TS], float("-inf"), tl.float32)
     for i in tl.static_range(TAIL):
         offs = MAIN + i * T + t
-        mt = tl.maximum(mt, tl.load(row + offs, mask=offs < V, other=float("-inf")))
+        mt = tl.maximum(mt, tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32))
     tl.store(part_max + r * tl.num_programs(1) + tl.program_id(1), tl.maximum(tl.max(tl.max(m, axis=1), axis=0),
                                                                               tl.max(mt, axis=0)))
 
@@ -73,14 +74,14 @@ def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.c
     mx = _row_max(part_max, r, MP)
     acc = tl.zeros([TS], tl.float32)
     for k in range(K):
-        e = _expf(tl.load(row + k * 4 * T + vec) - mx)
+        e = _expf(tl.load(row + k * 4 * T + vec).to(tl.float32) - mx)
         e02, e13 = tl.split(tl.reshape(e, [TS, 2, 2]))
         e0, e2 = tl.split(e02)
         e1, e3 = tl.split(e13)
         acc = (((acc + e0) + e1) + e2) + e3
     for i in tl.static_range(TAIL):
         offs = MAIN + i * T + t
-        acc = acc + tl.where(offs < V, _expf(tl.load(row + offs, mask=offs < V, other=0.0) - mx), 0.0)
+        acc = acc + tl.where(offs < V, _expf(tl.load(row + offs, mask=offs < V, other=0.0).to(tl.float32) - mx), 0.0)
     lane = tl.arange(0, TS)
     for j in tl.static_range(5):                           # each warp's tree (partners stay in the warp)
         acc = xor_step(acc, lane, 16 >> j)

@@ -1,4 +1,5 @@
-"""Triton kernels of the inverse-CDF sampler (contract and launch in ``sampling``)."""
+"""Triton kernels of the inverse-CDF sampler (contract and launch in ``sampling``). Logits of any float dtype
+are widened to fp32 as they are loaded."""
 from __future__ import annotations
 
 import triton
@@ -16,7 +17,7 @@ def _block_stats_kernel(logits, stride, temp, block_max, block_sum, block_raw_ma
     pdl_wait(PDL)
     row = logits + tl.program_id(0).to(tl.int64) * stride
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(row + offs, mask=offs < V, other=float("-inf"))  # -inf past the vocabulary
+    x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # -inf past the vocabulary
     z = x / tl.load(temp)
     m = tl.max(z, axis=0)
     s = tl.sum(tl.where(offs < V, tl.exp(z - m), 0.0), axis=0)
@@ -59,7 +60,7 @@ def _pick_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, row_
     start = tl.where(found, blk, last_blk) * BLOCK
     lane = tl.arange(0, BLOCK)
     offs = start + lane
-    z = tl.load(row + offs, mask=offs < V, other=float("-inf")) / t
+    z = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / t
     e = tl.where(offs < V, tl.exp(z - mx), 0.0)
     c = tl.where(found, before, last_before) + tl.cumsum(e, axis=0)
     first = tl.min(tl.where((c > target) & (e > 0), lane, BLOCK), axis=0)
@@ -83,7 +84,7 @@ def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, lo
     cell = slot * tab_stride + col
     if WRITE_TOKENS:
         tl.store(tokens + cell, t)
-    lp = tl.load(logp + i.to(tl.int64) * lp_stride + t)
+    lp = tl.load(logp + i.to(tl.int64) * lp_stride + t).to(tl.float32)
     if STATS:
         lp = (lp - tl.load(mx + i)) - tl.load(logsum + i)
     tl.store(logprobs + cell, lp)

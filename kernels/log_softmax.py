@@ -1,14 +1,17 @@
 """A token's log-prob without the [B, V] log-softmax: each row's max and log-sum in torch's order.
 
     log_softmax_rows(logits, backend=None) -> torch.Tensor [B, V] | LogSoftmaxRows
-        ``torch.log_softmax(logits, -1)`` for fp32 logits [B, V], or, where torch's order is reproduced, its
-        per-row statistics: ``LogSoftmaxRows(logits, mx, logsum)``, from which the log-prob of token j is
-        (logits[j] - mx) - logsum, the epilogue of torch's kernel (``LogSoftMaxForwardEpilogue``), bit for bit.
+        ``torch.log_softmax(logits.float(), -1)`` for logits [B, V] (fp32, or the model's BF16 / FP16 values,
+        widened), or, where torch's order is reproduced, its per-row statistics: ``LogSoftmaxRows(logits, mx,
+        logsum)``, from which the log-prob of token j is (float(logits[j]) - mx) - logsum, the epilogue of
+        torch's kernel (``LogSoftMaxForwardEpilogue``), bit for bit.
 
 Why. The decode step needs the log-prob of one token per row, and the trainer's log-softmax (torch's, over
 the same fp32 logits) must give the same bits. torch writes the whole [B, V] result (a 151,936-id vocabulary
 at batch 64: 39 MB written and read back; 47 us of an H200 decode step); the statistics need two reads, one
-where the sampler already took each row's max from its own read (``sampling.sample_tokens_with_max``).
+where the sampler already took each row's max from its own read (``sampling.sample_tokens_with_max``). The
+trainer's fp32 logits hold BF16 values; the sampler keeps them in BF16 (half the bytes written and read) and
+the kernels widen them in registers: the same fp32 values, so the same sums.
 
 torch's order (``cunn_SoftMaxForward``, rows of V >= SMEM_MIN fp32 logits, 16-byte aligned): a block of T =
 1024 threads per row; thread t takes the float4 vectors t, t + T, .. of the row's first V - V % 4T elements
@@ -31,6 +34,7 @@ from . import _backend, _probe
 THREADS = 1024    # torch's block for rows of >= 1024 logits (SoftMaxForward_getBlockSize)
 ILP = 4           # float4 vectors
 SMEM_MIN = 12288  # from here on the row no longer fits torch's shared-memory kernel (48 KB, another order)
+WIDENED = (torch.float32, torch.bfloat16, torch.float16)  # logit dtypes the kernels read (as fp32 values)
 
 
 class LogSoftmaxRows(NamedTuple):
@@ -40,12 +44,12 @@ class LogSoftmaxRows(NamedTuple):
     logsum: torch.Tensor
 
     def at(self, tok: torch.Tensor) -> torch.Tensor:
-        """Log-probs of tokens tok [B]: (logits[tok] - mx) - logsum."""
-        return (self.logits.gather(-1, tok[:, None]).squeeze(-1) - self.mx) - self.logsum
+        """Log-probs of tokens tok [B]: (logits[tok] - mx) - logsum, in fp32."""
+        return (self.logits.gather(-1, tok[:, None]).squeeze(-1).float() - self.mx) - self.logsum
 
     def full(self) -> torch.Tensor:
         """The whole [B, V] log-softmax, by torch's epilogue (its max's entry is -logsum itself)."""
-        return (self.logits - self.mx[:, None]) - self.logsum[:, None]
+        return (self.logits.float() - self.mx[:, None]) - self.logsum[:, None]
 
 
 def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
@@ -82,9 +86,13 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: t
     """The Triton kernels (``_triton_log_softmax``): S = ``parts`` programs per row (default
     ``parts_per_row``) read it twice (max, then the sums), one program per row finishes; the bits do not
     depend on S. ``row_max`` (fp32 [B], each row's max of the logits, which is exact in any order, e.g. from
-    the sampler's pass over the same logits): one read, the max pass skipped."""
+    the sampler's pass over the same logits): one read, the max pass skipped. ``logits``: of a WIDENED dtype,
+    rows of unit stride."""
     from ._triton_log_softmax import _finish_kernel, _max_part_kernel, _sum_part_kernel
 
+    if logits.dim() != 2 or logits.dtype not in WIDENED or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [B, V] rows of unit stride in one of {WIDENED}, got {logits.dtype} "
+                         f"{tuple(logits.shape)} with strides {logits.stride()}")
     b, v = logits.shape
     dev = logits.device
     mx = torch.empty(b, device=dev, dtype=torch.float32)
@@ -116,25 +124,29 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: t
 
 
 def covered(logits: torch.Tensor) -> bool:
-    """Rows torch sums in the order above: fp32, contiguous rows of V >= SMEM_MIN, V % 4 == 0, aligned."""
-    return (logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(-1) == 1
-            and logits.shape[1] >= SMEM_MIN and logits.shape[1] % ILP == 0 and logits.stride(0) % ILP == 0
-            and logits.data_ptr() % 16 == 0)
+    """Rows torch sums in the order above: rows of V >= SMEM_MIN, V % 4 == 0, of unit stride. fp32 rows are
+    the ones torch reads, so they must be 16-byte aligned too; BF16 / FP16 rows stand for their fp32 copy,
+    a fresh contiguous tensor, aligned whatever they are."""
+    if (logits.dim() != 2 or logits.dtype not in WIDENED or logits.stride(-1) != 1
+            or logits.shape[1] < SMEM_MIN or logits.shape[1] % ILP):
+        return False
+    return logits.dtype != torch.float32 or (logits.stride(0) % ILP == 0 and logits.data_ptr() % 16 == 0)
 
 
-def _probe_ok(v: int, device) -> bool:
+def _probe_ok(v: int, device, dtype: torch.dtype) -> bool:
     def probe():
         g = torch.Generator(device="cpu").manual_seed(v)
         x = (torch.randn(64, v, generator=g) * torch.exp2(torch.randint(-2, 5, (64, 1), generator=g).float()))
-        x = x.to(device)
-        return torch.equal(log_softmax_stats(x).full(), torch.log_softmax(x, dim=-1))
-    return _probe.proven(("log_softmax_rows", v), device, probe)
+        x = x.to(device=device, dtype=dtype)
+        return torch.equal(log_softmax_stats(x).full(), torch.log_softmax(x.float(), dim=-1))
+    return _probe.proven(("log_softmax_rows", v) if dtype == torch.float32 else ("log_softmax_rows", v, str(dtype)),
+                         device, probe)
 
 
 def log_softmax_rows(logits: torch.Tensor, backend: str | None = None, row_max: torch.Tensor | None = None):
-    """See the module docstring: the statistics on CUDA where covered and probed, else the full log-softmax.
-    ``row_max``: each row's max of the logits, if known (``log_softmax_stats``)."""
+    """See the module docstring: the statistics on CUDA where covered and probed, else the full log-softmax
+    (fp32). ``row_max``: each row's max of the logits, if known (``log_softmax_stats``)."""
     if (logits.device.type == "cuda" and _backend.resolve(backend, logits.device) == "triton"
-            and covered(logits) and _probe_ok(logits.shape[1], logits.device)):
+            and covered(logits) and _probe_ok(logits.shape[1], logits.device, logits.dtype)):
         return log_softmax_stats(logits, row_max=row_max)
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -1,12 +1,12 @@
 """Token sampling for the sampler's decode step, beside its PyTorch reference.
 
     sample_tokens(logits, temperature, uniform, top_p=None, backend=None) -> [B] int64
-        logits [B, V] fp32; ``temperature`` (> 0) and ``top_p`` (None = 1) numbers or 0-dim device tensors;
-        ``uniform`` [B] in [0, 1): each row's one draw. The token is where the draw falls in the cumulative
-        distribution of softmax(logits / temperature) over the vocabulary (inverse CDF): a row's token depends
-        on its own logits and draw only, never on the batch, and nothing is read back to the host (CUDA-graph
-        safe). top_p keeps the smallest set of most likely tokens whose probability reaches top_p (the token
-        that crosses it included; ties: lowest id).
+        logits [B, V] (fp32, or BF16 / FP16 widened as they are read); ``temperature`` (> 0) and ``top_p``
+        (None = 1) numbers or 0-dim device tensors; ``uniform`` [B] in [0, 1): each row's one draw. The token
+        is where the draw falls in the cumulative distribution of softmax(logits / temperature) over the
+        vocabulary (inverse CDF): a row's token depends on its own logits and draw only, never on the batch,
+        and nothing is read back to the host (CUDA-graph safe). top_p keeps the smallest set of most likely
+        tokens whose probability reaches top_p (the token that crosses it included; ties: lowest id).
 
 Paths. ``sample_tokens_reference`` (PyTorch: softmax, cumsum over V, searchsorted) serves CPU tensors and
 every top_p < 1 call (it sorts). Plain sampling on CUDA runs two passes: one program per (row, block of
@@ -26,10 +26,10 @@ kernel token against a float64 CDF.
         The decode step's bookkeeping for rows i < B, in one launch on CUDA (about ten small PyTorch ops,
         which ``record_tokens_reference`` runs): col = nxt[i] if nxt[i] < end[slots[i]] else ``trash``;
         tokens[slots[i], col] = tok[i] (``write_tokens``); logprobs[slots[i], col] = logp[i, tok[i]] (logp:
-        the [B, V] log-softmax, or its ``LogSoftmaxRows``); stopped[slots[i]] |= tok[i] == stop; ``advance`` =
-        (ids, pos): ids[i] = tok[i], pos[i] = nxt[i]. Copies, integer tests and torch's own log-softmax
-        epilogue only, so both paths write the same values. Rows sharing a slot (padding rows on the dummy
-        slot) write it in an unspecified order, as index_put does.
+        the [B, V] fp32 log-softmax, or its ``LogSoftmaxRows``, whose logits may be BF16 / FP16);
+        stopped[slots[i]] |= tok[i] == stop; ``advance`` = (ids, pos): ids[i] = tok[i], pos[i] = nxt[i].
+        Copies, integer tests and torch's own log-softmax epilogue only, so both paths write the same values.
+        Rows sharing a slot (padding rows on the dummy slot) write it in an unspecified order, as index_put does.
 
     step_inputs(pos, slots, tokens, uniform, max_pos, backend=None) -> StepInputs
         A decode step's per-row inputs from the rows' positions and cache slots [B] int64, in one launch on CUDA
@@ -78,7 +78,7 @@ def sample_tokens_with_max(logits: torch.Tensor, temperature, uniform: torch.Ten
     if logits.dim() != 2 or uniform.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [B, V] and uniform [B]; got {tuple(logits.shape)}, {tuple(uniform.shape)}")
     if top_p is not None or _backend.resolve(backend, logits.device) != "triton":
-        tok = sample_tokens_reference(logits, temperature, uniform, top_p)
+        tok = sample_tokens_reference(logits.float(), temperature, uniform, top_p)
         return tok, logits.float().amax(-1) if row_max and logits.shape[1] else None
     return _triton_sample(logits, temperature, uniform, row_max)
 
@@ -87,7 +87,7 @@ def _triton_sample(logits, temperature, uniform, row_max: bool = False):
     from ._triton_sampling import _block_stats_kernel, _pick_kernel
 
     b, v = logits.shape
-    x = logits.float()
+    x = logits if logits.dtype in (torch.float32, torch.bfloat16, torch.float16) else logits.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))
@@ -130,7 +130,8 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
     lp = logp.logits if stats else logp
     ints = [tok, slots, nxt, end, tokens, stop] + list(advance or ())
     ok = (_backend.resolve(backend, tok.device) == "triton" and lp.dim() == 2 and lp.shape[0] == b
-          and lp.stride(-1) == 1 and lp.dtype == logprobs.dtype == torch.float32 and tokens.is_contiguous()
+          and lp.stride(-1) == 1 and logprobs.dtype == torch.float32 and tokens.is_contiguous()
+          and (lp.dtype == torch.float32 or (stats and lp.dtype in (torch.bfloat16, torch.float16)))
           and logprobs.is_contiguous() and tokens.stride(0) == logprobs.stride(0) and stopped.dtype == torch.bool
           and all(t.dtype == torch.int64 for t in ints) and all(t.is_contiguous() for t in ints))
     if not ok:

@@ -48,6 +48,30 @@ def test_a_row_max_from_the_sampler_skips_the_max_pass(parts):
         L.log_softmax_stats(x, row_max=mx[:2])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_dtype_logits_are_read_as_their_fp32_values(dtype):
+    """The sampler keeps its logits in the model's dtype: the kernels widen them as they load, so the
+    statistics, the row max from the draw and a recorded log-prob are those of the fp32 copy, bit for bit."""
+    v = L.SMEM_MIN + 400
+    x = _logits(3, v, 8).to(dtype)
+    wide = x.float()
+    want = L.log_softmax_stats_emulated(wide)
+    for parts in (1, 4):
+        got = L.log_softmax_stats(x, parts=parts)
+        assert torch.equal(got.mx, want.mx) and torch.equal(got.logsum, want.logsum)
+    u = torch.tensor([0.1, 0.5, 0.9])
+    tok, mx = S.sample_tokens_with_max(x, 0.7, u, backend="triton")
+    tok32, mx32 = S.sample_tokens_with_max(wide, 0.7, u, backend="triton")
+    assert torch.equal(tok, tok32) and torch.equal(mx, mx32)
+    got = L.log_softmax_stats(x, row_max=mx)
+    assert got.logits.dtype == dtype and torch.equal(got.full(), want.full())
+    assert torch.equal(got.at(tok), want.at(tok)) and got.at(tok).dtype == torch.float32
+    assert L.covered(x) and L.covered(x[:, :L.SMEM_MIN]) and not L.covered(x[:, :L.SMEM_MIN + 2])
+    assert torch.equal(L.log_softmax_rows(x), torch.log_softmax(wide, -1))  # CPU: torch's, on the fp32 copy
+    with pytest.raises(ValueError, match="unit stride"):
+        L.log_softmax_stats(x.double())
+
+
 def test_parts_per_row_fill_the_gpu():
     cpu = torch.device("cpu")
     assert L.parts_per_row(64, cpu) == 1 and L.parts_per_row(1, cpu) == 8 and L.parts_per_row(3, cpu) == 4
@@ -67,9 +91,10 @@ def test_one_logit_rows_and_what_is_covered():
     assert isinstance(L.log_softmax_rows(x), torch.Tensor)  # CPU: torch's full log-softmax
 
 
-def test_record_kernel_takes_the_statistics():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_record_kernel_takes_the_statistics(dtype):
     b, v = 4, L.SMEM_MIN
-    x = _logits(b, v, 1)
+    x = _logits(b, v, 1).to(dtype)
     stats = L.log_softmax_stats_emulated(x)
     tok = torch.tensor([3, 9, 0, v - 1])
     slots, nxt = torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 3, 4])
@@ -93,8 +118,9 @@ def test_gpu_statistics_are_torchs_log_softmax():
 
     for v in (151936, L.SMEM_MIN + 400):
         for rows, seed in ((64, 0), (1, 1), (200, 2)):
-            x = _logits(rows, v, seed, "cuda")
-            got = L.log_softmax_rows(x)
-            assert isinstance(got, L.LogSoftmaxRows), _probe.verdicts("('log_softmax_rows'")
-            assert torch.equal(got.full(), torch.log_softmax(x, -1))
-            assert torch.equal(L.log_softmax_stats_emulated(x).logsum, got.logsum)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = _logits(rows, v, seed, "cuda").to(dtype)
+                got = L.log_softmax_rows(x)
+                assert isinstance(got, L.LogSoftmaxRows), _probe.verdicts("('log_softmax_rows'")
+                assert torch.equal(got.full(), torch.log_softmax(x.float(), -1))
+                assert torch.equal(L.log_softmax_stats_emulated(x).logsum, got.logsum)

@@ -238,16 +238,16 @@ class Sampler:
                 cap("residual", h + out if mode == "hf" else (h.float() + out.float()).to(h.dtype))
         return h, pending
 
-    def _logits(self, h, pending, rows=None, calib=None, valid=None, out_dtype=None):
-        """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden.
-        ``out_dtype`` float32: the model-dtype logits' values, stored wider (for the fp32 log-softmax)."""
+    def _logits(self, h, pending, rows=None, calib=None, valid=None):
+        """Final (fused add +) norm and lm_head on the selected rows [M] of the flattened [B*T] hidden, in the
+        model's dtype (the kernels after it widen them to fp32 as they read them)."""
         hs = h.reshape(-1, self.hidden)
         if rows is not None:  # the last block's output taken whole (its k-sum too), then the selected rows
             hs, ps = hs[rows], ops.value(pending).reshape(-1, self.hidden)[rows]
         else:
             ps = pending.reshape(-1, self.hidden)
         x, _ = ops.add_rms_norm(ps, hs, self.weights.norm, self.eps, self.recipe.non_gemm)
-        return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid, out_dtype=out_dtype)
+        return ops.linear(x, self.weights.lm_head, self.recipe, calib, valid)
 
     def _prefill(self, ids, lens, slots, capture=None):
         """Prompts ids [B, P] (PAD after each prompt's lens) into cache slots [B] -> the logits [B, V] at each
@@ -260,18 +260,18 @@ class Sampler:
         temperature-1 log-prob, recorded in the decode state's tables (``advance``: and fed as the rows' next
         input: ids = token, pos = nxt). ``cells``: the tables' (token, draw) at (slots, nxt), if read already."""
         st = self._state
-        lf = logits.float()
         forced, draw = cells if cells is not None else (None, None)
         row_max = None  # each row's max of the logits, where sampling read them anyway
         if mode == "score":
             tok = st.tokens[slots, nxt] if forced is None else forced
         elif mode == "greedy":
-            tok = lf.argmax(dim=-1)
+            tok = logits.argmax(dim=-1)  # widening does not change the order
         else:
-            tok, row_max = ops.sample_tokens_with_max(lf, st.temperature, st.top_p if mode == "top_p" else None,
+            tok, row_max = ops.sample_tokens_with_max(logits, st.temperature, st.top_p if mode == "top_p" else None,
                                                       st.uniform[slots, nxt] if draw is None else draw)
-        # the trainer's log-softmax bits, as torch's [B, V] result or (where reproduced) its rows' statistics
-        st.emit(tok, kernels.log_softmax_rows(lf, row_max=row_max), slots, nxt, write_tokens=mode != "score",
+        # the trainer's fp32 log-softmax bits, as torch's [B, V] result or (where reproduced) its rows'
+        # statistics; the logits stay in the model's dtype, the kernels widen them as they read
+        st.emit(tok, kernels.log_softmax_rows(logits, row_max=row_max), slots, nxt, write_tokens=mode != "score",
                 advance=advance)
         return tok
 
@@ -283,9 +283,9 @@ class Sampler:
         at = pos[:, None]
         inp = kernels.step_inputs(pos, slots, st.tokens, st.uniform, self.max_seq_len - 1)  # one launch
         h, pend = self._layers(ids[:, None], at, slots, (inp.slot_ids, inp.seq_lens), capture)
-        logits = self._logits(h, pend, out_dtype=torch.float32)  # _emit's fp32 input without a cast pass
+        logits = self._logits(h, pend)  # in the model's dtype: half the bytes of fp32 for the tail to read
         if capture is not None:
-            capture(-1, "logits", at, logits.to(h.dtype)[:, None])
+            capture(-1, "logits", at, logits[:, None])
         # ids[:b] = the token, pos[:b] = nxt
         self._emit(logits, slots, inp.nxt, mode, advance=True, cells=(inp.forced, inp.draw))
 

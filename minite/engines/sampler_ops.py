@@ -335,8 +335,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # ------------------------------------------------------------------------------------------------ sampling
 def sample_tokens_with_max(logits: torch.Tensor, temperature, top_p, uniform: torch.Tensor):
-    """logits [B, V] (fp32) -> (token ids [B], each row's max of the logits, fp32 [B], exact) from one read, the
-    inverse CDF at each row's draw ``uniform`` [B], nothing read back to the host
+    """logits [B, V] (fp32 or the model's dtype) -> (token ids [B], each row's max of the logits, fp32 [B],
+    exact) from one read, the inverse CDF at each row's draw ``uniform`` [B], nothing read back to the host
     (``minite.kernels.sample_tokens_with_max``: Triton kernels on CUDA without top_p, else the PyTorch
     reference). ``temperature`` (> 0) and ``top_p`` (None = 1): numbers or 0-dim device tensors."""
     return kernels.sample_tokens_with_max(logits, temperature, uniform, top_p)
