@@ -23,6 +23,16 @@ def test_kernel_is_its_emulation(v):
     assert torch.equal(a.at(tok), a.full().gather(-1, tok[:, None]).squeeze(-1))
 
 
+@pytest.mark.parametrize("chunks", [1, 3, 5, 6])
+def test_rows_below_zero_and_any_number_of_chunks(chunks):
+    """The max pass loads chunks four at a time and the sums keep four in flight: rows of 1 .. 6 whole chunks
+    (and a tail) whose logits are all negative give the emulation's max and sums, not a padding value."""
+    v = chunks * L.ILP * L.THREADS + 8
+    x = -(_logits(2, v, chunks).abs() + 5.0)
+    a, b = L.log_softmax_stats_emulated(x), L.log_softmax_stats(x, parts=4)
+    assert torch.equal(a.mx, b.mx) and torch.equal(a.logsum, b.logsum) and bool((b.mx < 0).all())
+
+
 @pytest.mark.parametrize("parts", [1, 2, 8, 32])
 def test_kernel_bits_do_not_depend_on_the_parts_per_row(parts):
     """A row's threads spread over 1 .. 32 programs: the same per-thread sums and trees, the same bits."""
