@@ -35,13 +35,6 @@ def _thread_ids(TS: tl.constexpr):
 
 
 @triton.jit
-def _chunk(row, vec, k, MAIN, T: tl.constexpr, PAST: tl.constexpr = 0.0):
-    """The [TS, 4] float4 vectors of the row's 4T-element chunk k, as fp32 (PAST beyond the whole chunks)."""
-    offs = k * 4 * T + vec
-    return tl.load(row + offs, mask=offs < MAIN, other=PAST).to(tl.float32)
-
-
-@triton.jit
 def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
                      TS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, part s): the max over the elements of its virtual threads (exact in any order)."""
@@ -51,11 +44,8 @@ def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T
     t = _thread_ids(TS)
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]      # thread t's float4 of a 4T chunk
     m = tl.full([TS, 4], float("-inf"), tl.float32)
-    for k in range(0, K, 4):  # four chunks' loads at a time (the max takes any order)
-        m = tl.maximum(tl.maximum(m, _chunk(row, vec, k, MAIN, T, float("-inf"))),
-                       _chunk(row, vec, k + 1, MAIN, T, float("-inf")))
-        m = tl.maximum(tl.maximum(m, _chunk(row, vec, k + 2, MAIN, T, float("-inf"))),
-                       _chunk(row, vec, k + 3, MAIN, T, float("-inf")))
+    for k in range(K):
+        m = tl.maximum(m, tl.load(row + k * 4 * T + vec).to(tl.float32))
     mt = tl.full([TS], float("-inf"), tl.float32)
     for i in tl.static_range(TAIL):
         offs = MAIN + i * T + t
@@ -83,18 +73,8 @@ def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.c
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]
     mx = _row_max(part_max, r, MP)
     acc = tl.zeros([TS], tl.float32)
-    # four chunks' loads in flight ahead of the sums (a ring of registers): the chain of K dependent loads
-    # is what bounds this pass at decode batch sizes, not the bytes; the sums keep their order
-    x0 = _chunk(row, vec, 0, MAIN, T)
-    x1 = _chunk(row, vec, 1, MAIN, T)
-    x2 = _chunk(row, vec, 2, MAIN, T)
-    x3 = _chunk(row, vec, 3, MAIN, T)
     for k in range(K):
-        e = _expf(x0 - mx)
-        x0 = x1
-        x1 = x2
-        x2 = x3
-        x3 = _chunk(row, vec, k + 4, MAIN, T)
+        e = _expf(tl.load(row + k * 4 * T + vec).to(tl.float32) - mx)
         e02, e13 = tl.split(tl.reshape(e, [TS, 2, 2]))
         e0, e2 = tl.split(e02)
         e1, e3 = tl.split(e13)

@@ -25,8 +25,8 @@ def test_kernel_is_its_emulation(v):
 
 @pytest.mark.parametrize("chunks", [1, 3, 5, 6])
 def test_rows_below_zero_and_any_number_of_chunks(chunks):
-    """The max pass loads chunks four at a time and the sums keep four in flight: rows of 1 .. 6 whole chunks
-    (and a tail) whose logits are all negative give the emulation's max and sums, not a padding value."""
+    """Rows of 1 .. 6 whole chunks (and a tail) whose logits are all negative: the emulation's max and sums,
+    never a padding value's (a masked load's 0 would win the max)."""
     v = chunks * L.ILP * L.THREADS + 8
     x = -(_logits(2, v, chunks).abs() + 5.0)
     a, b = L.log_softmax_stats_emulated(x), L.log_softmax_stats(x, parts=4)
