@@ -334,3 +334,85 @@ def test_gpu_fast_decode_matches_sdpa_on_the_valid_prefix():
         ref = F.scaled_dot_product_attention(q[i:i + 1, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
                                              scale=128 ** -0.5, enable_gqa=True)[:, :, 0]
         assert (got[i:i + 1].float() - ref.float()).abs().max() < 2e-2
+
+
+# ------------------------------------------------------------------------- q/k norm + rotary fused in
+QK_POSITIONS = [0, 1, 15, 16, 31, 32, 33, 47, 63, 64, 95, 599]  # chunk and ring boundaries, the cache's last row
+
+
+def _qk_case(b, n_q, n_kv, s_max, mode, seed=0, device="cpu"):
+    """A decode step's projection row, norm weights, rotary rows, cache, slots and positions (lengths pos + 1)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 128
+    qkv = (torch.randn(b, 1, (n_q + 2 * n_kv) * d, generator=g) * 3).to(device, torch.bfloat16)
+    qw, kw = ((1 + 0.2 * torch.randn(2, d, generator=g)).to(device, torch.bfloat16)).unbind(0)
+    ang = torch.rand(b, 1, d, generator=g) * 6.3  # "hf": rows [B, T, D]; "vllm": [B, 1, T, D] (sampler_ops.Rotary)
+    ang, table = (ang, torch.bfloat16) if mode == "hf" else (ang[:, None], torch.float32)
+    cos, sin = ang.cos().to(device, table), ang.sin().to(device, table)
+    kc, vc = _cache(b + 1, n_kv, s_max, d, device, seed)
+    slot_ids = torch.randperm(b + 1, generator=g)[:b].to(device, torch.int32)
+    pos = torch.randint(0, s_max, (b,), generator=g)
+    few = [p for p in QK_POSITIONS if p < s_max][:b]
+    pos[:len(few)] = torch.tensor(few)
+    pos = pos.to(device)[:, None]
+    return qkv, qw, kw, cos, sin, kc, vc, slot_ids, pos, (pos[:, 0] + 1).to(torch.int32)
+
+
+def _two_calls(qkv, n_q, n_kv, qw, kw, cos, sin, mode, kc, vc, slot_ids, pos, lens, splits=None):
+    from minite.kernels import fused_ops
+    q, _ = fused_ops.qk_norm_rope(qkv, n_q, n_kv, qw, kw, 1e-6, cos, sin, mode, cache=(kc, vc, slot_ids.long(), pos))
+    return A.decode_attention(q[:, :, 0], kc, vc, slot_ids, lens, 128 ** -0.5, "invariant", splits=splits)
+
+
+@pytest.mark.parametrize("mode", ["hf", "vllm"])
+def test_decode_attention_qk_is_the_two_calls_on_cpu(mode):
+    qkv, qw, kw, cos, sin, kc, vc, ids, pos, lens = _qk_case(5, 8, 2, 40, mode)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = _two_calls(qkv, 8, 2, qw, kw, cos, sin, mode, kc, vc, ids, pos, lens)
+    assert A._qk_fused_module(qkv, 8, 2, qw, kw, cos, sin, mode, kc2, vc2, pos) is None  # no CUDA: the two calls
+    got = A.decode_attention_qk(qkv, 8, 2, qw, kw, 1e-6, cos, sin, mode, (kc2, vc2, ids.long(), pos), ids, lens,
+                                128 ** -0.5)
+    assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["hf", "vllm"])
+@pytest.mark.parametrize("b,n_q,n_kv,splits", [(64, 32, 4, None), (24, 32, 4, None), (6, 16, 1, None),
+                                               (12, 16, 4, 3)])
+def test_gpu_decode_attention_qk_is_the_two_calls(mode, b, n_q, n_kv, splits):
+    """One launch (q/k norm, rotary, the cache write, the fp64 attention) == qk_norm_rope + decode_attention:
+    the output and both whole caches, bit for bit; positions at the ring's and chunks' boundaries (the new key
+    in a chunk staged before and after the wait), GQA 8 and 16 (two row groups), KV splits."""
+    qkv, qw, kw, cos, sin, kc, vc, ids, pos, lens = _qk_case(b, n_q, n_kv, 600, mode, seed=b, device="cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = _two_calls(qkv, n_q, n_kv, qw, kw, cos, sin, mode, kc, vc, ids, pos, lens, splits)
+    assert A._qk_fused_module(qkv, n_q, n_kv, qw, kw, cos, sin, mode, kc2, vc2, pos) is not None
+    got = A.decode_attention_qk(qkv, n_q, n_kv, qw, kw, 1e-6, cos, sin, mode, (kc2, vc2, ids.long(), pos), ids, lens,
+                                128 ** -0.5, splits=splits)
+    assert torch.equal(got, want)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_qk_every_warp_count_and_split():
+    from minite.kernels import _cuda_attention as ca
+    from minite.kernels import _triton_attention as ta
+    from minite.kernels import fused_ops
+    b, n_q, n_kv, d = 12, 32, 4, 128
+    qkv, qw, kw, cos, sin, kc, vc, ids, pos, lens = _qk_case(b, n_q, n_kv, 600, "hf", seed=7, device="cuda")
+    kc1, vc1 = kc.clone(), vc.clone()
+    want = _two_calls(qkv, n_q, n_kv, qw, kw, cos, sin, "hf", kc1, vc1, ids, pos, lens)
+    mod = ca.module(torch.cuda.get_device_capability())
+    for splits in (1, 3):
+        for warps in (1, 2, 4, 8):
+            kc2, vc2 = kc.clone(), vc.clone()
+            out = torch.empty(b, n_q, d, dtype=torch.bfloat16, device="cuda")
+            pa = torch.empty(b * n_q * splits * d, dtype=torch.float64, device="cuda")
+            pm = torch.empty(b * n_q * splits * 2, dtype=torch.float64, device="cuda")
+            ca.launch_qk(mod, qkv.view(b, -1), qw, kw, cos.reshape(b, d), sin.reshape(b, d), pos[:, 0], 1e-6,
+                         fused_ops.row_mean_factor(d), True, n_q, kc2, vc2, ids, lens, pa, pm, out, d ** -0.5, splits,
+                         warps)
+            if splits > 1:
+                ta.merge_splits_kernel[(b, n_q)](pa, pm, out, n_q, splits, D=d, SPLITS_P2=4, F64=True)
+            assert torch.equal(out, want), (splits, warps)
+            assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1), (splits, warps)
