@@ -37,10 +37,6 @@ exact pure PyTorch on CPU.
                      backend=None) -> [B, Hq, D]
         one decode step over a [slots, Hkv, S, D] KV cache, GQA without copies, CUDA-graph safe; "fast" (bf16
         dots, fp32 softmax) or "invariant" (float64: the bits of invariant_attention at that position).
-    decode_attention_qk(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache, slot_ids, seq_lens,
-                        scaling, splits=None) -> [B, Hq, D]
-        fused_ops.qk_norm_rope with the cache write, then the "invariant" decode_attention: the same bits, one
-        CUDA launch where the fp64 kernel takes the operands (the decode step's q/k/v projection's output).
     invariant_attention(query, key, value, scaling, keep=None, causal=True, backend=None) -> [B, Tq, Hq, D]
         float64 attention, flash style (no [Tq, Tk] buffer); bitwise its PyTorch reference.
     invariant_gemm(x, w, bias=None, backend=None) -> [M, N]
@@ -98,7 +94,7 @@ else:
     from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
     from .quantize import (dequantize, quantize, quantize_dequantize, quantize_rms_norm, quantize_silu_mul,
                            quantize_weight_groups)
-    from .attention import decode_attention, decode_attention_qk, invariant_attention
+    from .attention import decode_attention, invariant_attention
     from .hp_gemm import invariant_gemm, invariant_gemm_parts, sum_parts
     from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
     from .routing import route, route_parts
@@ -109,7 +105,7 @@ else:
                "dequantize", "nvfp4_gemm", "dense_weight_bytes", "reads_f16_tokens", "DecodedNVFP4Tensor",
                "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
                "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
-               "wgrad_grouped_nvfp4_gemm", "decode_attention", "decode_attention_qk", "invariant_attention",
-               "invariant_gemm", "invariant_gemm_parts", "sum_parts", "route_parts",
+               "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
+               "invariant_gemm_parts", "sum_parts", "route_parts",
                "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
                "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]

@@ -20,7 +20,6 @@ from . import _backend, _cuda_build
 
 SOURCE = Path(__file__).with_name("decode_attention.cu")
 HEAD_DIMS = (64, 128)  # head dims compiled in (the q rows live in registers: D / 4 float64 a lane)
-QK_HEAD_DIM = 128      # the fused q/k norm + rotary's (a head row = 32 lanes x 4: torch's mean order)
 ROWS = 8               # query heads of a KV head per CTA (the mma's M; fewer are padded)
 CHUNK = 16             # keys a warp takes at a time (``kTiles`` key tiles of 8)
 _DECL = """
@@ -29,13 +28,6 @@ int64_t decode_attention_launch(int64_t q, int64_t k, int64_t v, int64_t slot_id
                                 int64_t rep, int64_t d, int64_t sq_b, int64_t sq_h, int64_t sk_slot,
                                 int64_t sk_head, int64_t sk_seq, int64_t sv_slot, int64_t sv_head, int64_t sv_seq,
                                 double scale, int64_t splits, int64_t warps, int64_t pdl, int64_t stream);
-int64_t decode_attention_qk_launch(int64_t qkv, int64_t qkv_row, int64_t q_norm, int64_t k_norm, int64_t cos,
-                                   int64_t sin, int64_t cs_b, int64_t pos, int64_t pos_b, double eps, double inv_d,
-                                   int64_t hf, int64_t k, int64_t v, int64_t slot_ids, int64_t seq_lens,
-                                   int64_t part_acc, int64_t part_ml, int64_t out, int64_t batch, int64_t n_q_heads,
-                                   int64_t rep, int64_t sk_slot, int64_t sk_head, int64_t sk_seq, int64_t sv_slot,
-                                   int64_t sv_head, int64_t sv_seq, double scale, int64_t splits, int64_t warps,
-                                   int64_t pdl, int64_t stream);
 """
 # PDL (``_backend.pdl_on``): 1 = wait for the previous kernel, then let the next one start at once (the Triton
 # kernels' rule); 2 = let it start only as each CTA ends
@@ -45,8 +37,7 @@ PDL_MODE = 1
 @functools.cache
 def module(cap: tuple[int, int]):
     """The built extension for a device of compute capability ``cap``, or None (reason warned once)."""
-    return _cuda_build.load("minite_decode_attention", SOURCE, _DECL,
-                            ["decode_attention_launch", "decode_attention_qk_launch"], cap, (8, 0),
+    return _cuda_build.load("minite_decode_attention", SOURCE, _DECL, ["decode_attention_launch"], cap, (8, 0),
                             "float64 decode attention", "mma.sync m8n8k4 .f64")
 
 
@@ -87,10 +78,6 @@ def config(batch: int, kv_heads: int, rep: int, max_len: int, sms: int, splits: 
     return splits, warps
 
 
-def _pdl(device) -> int:
-    return PDL_MODE if _backend.pdl_on(device) else 0
-
-
 def launch(mod, q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out, scaling: float, splits: int,
            warps: int) -> torch.Tensor:
     """out [B, Hq, D] (splits == 1), else the splits' partials in part_acc / part_ml for
@@ -101,27 +88,7 @@ def launch(mod, q, k_cache, v_cache, slot_ids, seq_lens, part_acc, part_ml, out,
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_ids.data_ptr(), seq_lens.data_ptr(),
         part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(), b, hq, rep, d, *q.stride()[:2],
         *k_cache.stride()[:3], *v_cache.stride()[:3], float(scaling), splits, warps,
-        _pdl(q.device), torch.cuda.current_stream(q.device).cuda_stream)
+        PDL_MODE if _backend.pdl_on(q.device) else 0, torch.cuda.current_stream(q.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode attention launch failed (code {rc}, {warps} warps)")
-    return out
-
-
-def launch_qk(mod, qkv, q_norm, k_norm, cos, sin, pos, eps: float, inv_d: float, hf: bool, n_q: int, k_cache,
-              v_cache, slot_ids, seq_lens, part_acc, part_ml, out, scaling: float, splits: int, warps: int
-              ) -> torch.Tensor:
-    """``launch`` with the q/k norm + rotary and the cache write fused (``attention.decode_attention_qk``):
-    qkv [B, W] rows, cos / sin [B, D] rows at one stride, pos [B] int64 at any stride."""
-    b, d = qkv.shape[0], q_norm.shape[0]
-    if d != QK_HEAD_DIM:
-        raise ValueError(f"the fused q/k decode attention takes head dim {QK_HEAD_DIM}, not {d}")
-    rep = n_q // k_cache.shape[1]
-    rc = mod.decode_attention_qk_launch(
-        qkv.data_ptr(), qkv.stride(0), q_norm.data_ptr(), k_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        cos.stride(0), pos.data_ptr(), pos.stride(0), float(eps), float(inv_d), int(hf), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_ids.data_ptr(), seq_lens.data_ptr(), part_acc.data_ptr(), part_ml.data_ptr(),
-        out.data_ptr(), b, n_q, rep, *k_cache.stride()[:3], *v_cache.stride()[:3], float(scaling), splits, warps,
-        _pdl(qkv.device), torch.cuda.current_stream(qkv.device).cuda_stream)
-    if rc != 0:
-        raise RuntimeError(f"CUDA decode attention (fused q/k) launch failed (code {rc}, {warps} warps)")
     return out

@@ -14,10 +14,6 @@
         to ``invariant_attention`` at the same positions, whatever ``splits``. On CUDA: the fp64 tensor-core
         kernel (``_cuda_attention``) where it is built and takes the operands (BF16, head dim 64 / 128,
         16-byte aligned rows) and no Triton knob (``head_groups``, backend="triton") is given; else Triton.
-    decode_attention_qk(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache, slot_ids, seq_lens, scaling,
-                        splits=None) -> [B, Hq, D]
-        ``fused_ops.qk_norm_rope`` (q/k norm, rotary, the new key and value into the cache) and the "invariant"
-        decode attention on its q, bit for bit; one CUDA launch where the fp64 kernel takes it.
     invariant_attention(query, key, value, scaling, keep=None, causal=True, backend=None) -> [B, Tq, Hq, D]
         Full-sequence float64 attention, flash style (online softmax, no [Tq, Tk] buffer), bitwise equal to
         ``invariant_attention_reference``.
@@ -250,64 +246,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                         num_warps=1 if d <= 64 else 2,
                                         **_backend.pdl_meta(ta.merge_splits_kernel, q.device))
     return out
-
-
-def decode_attention_qk(qkv: torch.Tensor, n_q: int, n_kv: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                        eps: float, cos: torch.Tensor, sin: torch.Tensor, mode: str, cache: tuple,
-                        slot_ids: torch.Tensor, seq_lens: torch.Tensor, scaling: float, splits: int | None = None
-                        ) -> torch.Tensor:
-    """``fused_ops.qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=cache)`` and then
-    ``decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scaling, "invariant", splits)`` on its q: one
-    new token per sequence (qkv [B, 1, (Hq + 2 Hkv) D]; cache = (k_cache, v_cache, slots, pos [B, 1]), slots
-    naming the cache rows slot_ids names) -> [B, Hq, D], the cache written as that call writes it, bit for bit.
-    Where the CUDA fp64 kernel takes it (head dim 128, BF16 operands and weights, "hf" rotary rows in BF16 or
-    "vllm" ones in fp32, each head's mean taken in the pass: ``fused_ops.mean_in_pass``) it is one launch, which
-    reads the slot ids, lengths, positions, weights, rotary rows and the cache's other rows while the kernel
-    before it may still run (programmatic dependent launch): that kernel must write none of them (the decode
-    step's q/k/v projection writes only qkv). Elsewhere: the two calls."""
-    from . import fused_ops
-    k_cache, v_cache, slots, pos = cache
-    mod = _qk_fused_module(qkv, n_q, n_kv, q_weight, k_weight, cos, sin, mode, k_cache, v_cache, pos)
-    if mod is None:
-        q, _ = fused_ops.qk_norm_rope(qkv, n_q, n_kv, q_weight, k_weight, eps, cos, sin, mode, cache=cache)
-        return decode_attention(q[:, :, 0], k_cache, v_cache, slot_ids, seq_lens, scaling, "invariant", splits=splits,
-                                check_values=False)
-    from . import _cuda_attention as ca
-    from . import _triton_attention as ta
-    b, d = qkv.shape[0], q_weight.shape[0]
-    splits, warps = ca.config(b, n_kv, n_q // n_kv, k_cache.shape[2], _sm_count(qkv.device),
-                              int(splits) if splits else None)
-    out = torch.empty(b, n_q, d, dtype=qkv.dtype, device=qkv.device)
-    part_acc = torch.empty(b * n_q * splits * d if splits > 1 else 1, dtype=torch.float64, device=qkv.device)
-    part_ml = torch.empty(b * n_q * splits * 2 if splits > 1 else 1, dtype=torch.float64, device=qkv.device)
-    ca.launch_qk(mod, qkv.view(b, -1), q_weight, k_weight, cos.reshape(b, d), sin.reshape(b, d), pos[:, 0], eps,
-                 fused_ops.row_mean_factor(d), mode == "hf", n_q, k_cache, v_cache, slot_ids, seq_lens, part_acc,
-                 part_ml, out, scaling, splits, warps)
-    if splits > 1:
-        ta.merge_splits_kernel[(b, n_q)](part_acc, part_ml, out, n_q, splits, D=d, SPLITS_P2=_pow2(splits), F64=True,
-                                         num_warps=2, **_backend.pdl_meta(ta.merge_splits_kernel, qkv.device))
-    return out
-
-
-def _qk_fused_module(qkv, n_q, n_kv, q_weight, k_weight, cos, sin, mode, k_cache, v_cache, pos):
-    """The CUDA extension where ``decode_attention_qk`` runs as one launch, else None."""
-    from . import _cuda_attention as ca
-    from . import fused_ops
-    if qkv.device.type != "cuda" or qkv.dim() != 3 or qkv.shape[1] != 1 or qkv.shape[0] == 0:
-        return None
-    b, d = qkv.shape[0], q_weight.shape[0]
-    rows = (cos.reshape(b, d), sin.reshape(b, d)) if cos.numel() == sin.numel() == b * d else None
-    aligned = [qkv, q_weight, k_weight] + list(rows or ())
-    ok = (d == ca.QK_HEAD_DIM and mode in fused_ops.MODES and n_kv >= 1 and n_q % n_kv == 0
-          and qkv.shape[2] == (n_q + 2 * n_kv) * d and qkv.dtype == q_weight.dtype == k_weight.dtype == torch.bfloat16
-          and rows is not None and cos.dtype == sin.dtype == (torch.bfloat16 if mode == "hf" else torch.float32)
-          and rows[0].stride() == rows[1].stride() and pos.dtype == torch.int64 and pos.shape == (b, 1)
-          and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-                  for t in aligned)
-          and ca.supports(qkv.view(b, -1, d)[:, :n_q], k_cache, v_cache))
-    if not ok or not fused_ops.mean_in_pass(d, qkv.device):
-        return None
-    return ca.module_for(qkv.device)
 
 
 # ---------------------------------------------------------------------------------------------- prefill

@@ -22,13 +22,6 @@
 //   * P.V: those two scores' weights are already the A operands of two k4 steps (keys 8t + 2c + parity), so B
 //     is V[that key][dim 64 (n / 8) + 8g + n % 8] for output tile n: lane (g, c) reads 16-byte pieces 8u + g of
 //     one value row; the C of output tile n holds row g's dims 64 (n / 8) + 8 (2c + i) + n % 8.
-// With the projection's row (``qkv``, head dim 128: ``attention.decode_attention_qk``) the CTA first does the
-// q/k norm + rotary of ``fused_ops.qk_norm_rope``'s Triton pass itself (its query heads; the split holding the
-// new position also its new key and value, which it writes into the cache before its ring reads that row): the
-// same fp32 operations in the same order, so the same BF16 values, without that pass's launch. It is its own
-// instantiation (FUSED), so the unfused kernel's code is untouched by it. Under PDL the kernel before it writes
-// only qkv (the caller's contract): the slot ids, lengths, positions, norm weights and rotary rows, and the
-// chunks the ring starts with (when they hold no new key), are read before griddepcontrol.wait.
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -54,16 +47,6 @@ struct Params {
   int64_t sq_b, sq_h, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq;  // strides in elements
   double scale;
   int n_q_heads, rep, groups, splits, pdl;
-  // fused q/k norm + rotary (qkv != nullptr; q above unused): row b of the projection, [(Hq + 2 Hkv) D] BF16
-  const uint16_t* qkv;
-  const uint16_t* q_norm;   // [D] BF16
-  const uint16_t* k_norm;
-  const void* cos;          // row b at b cs_b: BF16 ("hf") or fp32 ("vllm") [D]
-  const void* sin;
-  const int64_t* pos;       // [B] at stride pos_b: the new key's position (its cache row is slot_ids[b])
-  int64_t qkv_row, cs_b, pos_b;
-  float eps, inv_d;         // the norms' epsilon; fp32(1 / D), torch's mean factor
-  int hf;                   // 1: "hf" (round after each op, BF16 tables); 0: "vllm" (fp32, one rounding)
 };
 
 __device__ __forceinline__ void dmma(double& d0, double& d1, double a, double b) {  // not volatile: free to schedule
@@ -78,6 +61,10 @@ __device__ __forceinline__ double bf16_at(const uint4& w, int e) {
   return static_cast<double>(__uint_as_float((e & 1) ? (word & 0xFFFF0000u) : (word << 16)));
 }
 
+__device__ __forceinline__ uint4 load16(const uint16_t* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
+}
+
 // 16 bytes global -> shared, zero-filled where !ok (no read then)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
@@ -88,132 +75,13 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 __device__ __forceinline__ uint4 lds16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// fp32 -> BF16 to nearest even (NaN stays NaN), and back (exact)
-__device__ __forceinline__ uint16_t rne_bf16(float f) {
+__device__ __forceinline__ uint16_t to_bf16_bits(double x) {
+  // float64 -> fp32 -> BF16, each to nearest even (NaN stays NaN): torch's two roundings
+  const float f = static_cast<float>(x);
   const uint32_t bits = __float_as_uint(f);
   if (f != f) return 0x7FC0;
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
-__device__ __forceinline__ float bf16f(uint32_t h) { return __uint_as_float(h << 16); }
-__device__ __forceinline__ float round_bf16(float f) { return bf16f(rne_bf16(f)); }
-
-// float64 -> fp32 -> BF16, each to nearest even: torch's two roundings
-__device__ __forceinline__ uint16_t to_bf16_bits(double x) { return rne_bf16(static_cast<float>(x)); }
-
-// The fused q/k norm + rotary (``_triton_fused_ops._qk_tail_kernel``'s arithmetic, one head row of D = 128 at a
-// time): lane l holds elements 4l .. 4l + 3, which is also torch's order for the row's mean square (each lane's four
-// squares added in order, the lanes by the xor tree with offsets 16 .. 1, lane 0's sum, times fp32(1 / D)); the
-// rotary partner of element e (e -+ D / 2) is in lane l ^ 16. fp32 operations rounded one at a time (the _rn
-// intrinsics: no contraction), rsqrtf as libdevice's, BF16 rounding to nearest even where the pass rounds.
-constexpr int kQPitch = 8;  // elements of padding after a query row in shared memory (conflict-free 16-byte reads)
-
-struct QkRowInputs {  // a lane's norm weights and rotary factors, read before the wait
-  float qw[4], kw[4], cs[4], sn[4];
-};
-
-__device__ __forceinline__ void unpack4(const uint2 w, float (&x)[4]) {
-  x[0] = bf16f(w.x & 0xFFFFu);
-  x[1] = bf16f(w.x >> 16);
-  x[2] = bf16f(w.y & 0xFFFFu);
-  x[3] = bf16f(w.y >> 16);
-}
-
-__device__ __forceinline__ QkRowInputs qk_row_inputs(const Params& p, int b, int lane) {
-  QkRowInputs in;
-  const int e0 = 4 * lane;
-  unpack4(__ldg(reinterpret_cast<const uint2*>(p.q_norm + e0)), in.qw);
-  unpack4(__ldg(reinterpret_cast<const uint2*>(p.k_norm + e0)), in.kw);
-  if (p.hf) {
-    unpack4(__ldcg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.cos) + b * p.cs_b + e0)), in.cs);
-    unpack4(__ldcg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p.sin) + b * p.cs_b + e0)), in.sn);
-  } else {
-    const float4 c = __ldcg(reinterpret_cast<const float4*>(static_cast<const float*>(p.cos) + b * p.cs_b + e0));
-    const float4 sn = __ldcg(reinterpret_cast<const float4*>(static_cast<const float*>(p.sin) + b * p.cs_b + e0));
-    in.cs[0] = c.x, in.cs[1] = c.y, in.cs[2] = c.z, in.cs[3] = c.w;
-    in.sn[0] = sn.x, in.sn[1] = sn.y, in.sn[2] = sn.z, in.sn[3] = sn.w;
-  }
-  return in;
-}
-
-// One q or k head row (raw: the lane's four BF16 elements, w: its norm weights) normalised and rotated: the lane's
-// four BF16 results. "hf": w * round(x * rsqrt), rounded; rotary's two products and their sum each rounded.
-// "vllm": (x * rsqrt) * w rounded once; rotary in fp32, rounded once.
-__device__ __forceinline__ uint2 qk_head(const Params& p, const uint2 raw, const float (&w)[4],
-                                         const QkRowInputs& in, int lane) {
-  float x[4];
-  unpack4(raw, x);
-  float ss = __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(x[0], x[0]), __fmul_rn(x[1], x[1])), __fmul_rn(x[2], x[2])),
-                       __fmul_rn(x[3], x[3]));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, off));
-  const float inv = rsqrtf(__fadd_rn(__fmul_rn(__shfl_sync(0xffffffffu, ss, 0), p.inv_d), p.eps));
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float nx = p.hf ? round_bf16(__fmul_rn(w[i], round_bf16(__fmul_rn(x[i], inv))))
-                          : round_bf16(__fmul_rn(__fmul_rn(x[i], inv), w[i]));
-    const float partner = __shfl_xor_sync(0xffffffffu, nx, 16);
-    const float rot = lane < 16 ? -partner : partner;  // rotate_half: (-x_hi, x_lo)
-    o[i] = p.hf ? rne_bf16(__fadd_rn(round_bf16(__fmul_rn(nx, in.cs[i])), round_bf16(__fmul_rn(rot, in.sn[i]))))
-                : rne_bf16(__fadd_rn(__fmul_rn(nx, in.cs[i]), __fmul_rn(rot, in.sn[i])));
-  }
-  return make_uint2(o[0] | (o[1] << 16), o[2] | (o[3] << 16));
-}
-
-// The CTA's query rows into q_s (rows x (D + kQPitch) BF16), and where it holds the new position (own_kv) the new
-// key and value into the cache (every row group's CTA writes the same bytes, then reads the row back through its
-// ring). The warps take the heads round robin, every head's loads issued before the first one's arithmetic.
-template <int D>
-__device__ __forceinline__ void qk_prologue(const Params& p, const QkRowInputs& in, int b, int kvh, int row0, int rows,
-                                            bool own_kv, int64_t slot, int64_t cur, uint16_t* q_s) {
-  static_assert(D == 128, "a head row is 32 lanes x 4 elements: torch's mean order for 128");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  const int e0 = 4 * lane;
-  const int heads = rows + (own_kv ? 2 : 0);  // the query rows, the key head, the value head
-  const int n_kv = p.n_q_heads / p.rep;
-  const uint16_t* row = p.qkv + b * p.qkv_row;
-  constexpr int kMaxHeads = kRows + 2;
-  uint2 raw[kMaxHeads];
-#pragma unroll
-  for (int t = 0; t < kMaxHeads; ++t) {
-    const int j = warp + t * n_warps;
-    const int head = j < rows ? kvh * p.rep + row0 + j : j == rows ? p.n_q_heads + kvh : p.n_q_heads + n_kv + kvh;
-    if (j < heads) raw[t] = __ldcg(reinterpret_cast<const uint2*>(row + static_cast<int64_t>(head) * D + e0));
-  }
-#pragma unroll
-  for (int t = 0; t < kMaxHeads; ++t) {
-    const int j = warp + t * n_warps;
-    if (j >= heads) break;
-    if (j < rows) {
-      *reinterpret_cast<uint2*>(q_s + j * (D + kQPitch) + e0) = qk_head(p, raw[t], in.qw, in, lane);
-    } else {
-      const bool key = j == rows;
-      const uint2 out = key ? qk_head(p, raw[t], in.kw, in, lane) : raw[t];  // the value as projected
-      uint16_t* dst = key ? const_cast<uint16_t*>(p.k) + slot * p.sk_slot + kvh * p.sk_head + cur * p.sk_seq
-                          : const_cast<uint16_t*>(p.v) + slot * p.sv_slot + kvh * p.sv_head + cur * p.sv_seq;
-      *reinterpret_cast<uint2*>(dst + e0) = out;
-    }
-  }
-}
-
-__device__ __forceinline__ void pdl_wait(int pdl) {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (pdl == 1) asm volatile("griddepcontrol.launch_dependents;");
-}
-
-// Shared memory of the warps' rings, or of the merge's accumulators where larger (the same memory); then, fused,
-// the query rows.
-template <int D>
-__host__ __device__ constexpr size_t ring_bytes(int warps) {
-  return static_cast<size_t>(warps) * kDepth * 2 * 8 * kTiles * 2 * D;
-}
-template <int D>
-__host__ __device__ constexpr size_t rings_or_merge_bytes(int warps) {
-  const size_t merge = sizeof(double) * (static_cast<size_t>(warps) * (D / 8) * 64 + 3 * warps * kRows);
-  return merge > ring_bytes<D>(warps) ? merge : ring_bytes<D>(warps);
-}
-template <int D>
-constexpr size_t qk_bytes() { return 2 * kRows * (D + kQPitch); }
 
 // Online softmax of row g over a chunk's scores (s: the q.k sums, two chains per key tile; keys past hi: -inf,
 // weight 0): the running max and sum, the keys' weights pw, the old accumulators' rescale (returned).
@@ -320,7 +188,7 @@ __device__ __forceinline__ void merge_warps(const Params& p, double* smem, const
 // Each warp streams its chunks (8 TILES keys, every W-th chunk of the split) through a ring of DEPTH shared-memory
 // slots with cp.async, DEPTH - 1 chunks ahead of the one it computes. q.k runs SPLIT chains per key tile (a
 // dependent fp64 mma takes ~188 cycles on the H200: short chains keep it fed), added at the end.
-template <int D, bool FUSED>
+template <int D>
 __global__ void __launch_bounds__(kMaxWarps * 32) decode_f64_mma_kernel(const Params p) {
   constexpr int QJ = D / 4;   // k4 steps of q.k (dims per lane)
   constexpr int NT = D / 8;   // output tiles of 8 dims (P.V's N side)
@@ -330,23 +198,20 @@ __global__ void __launch_bounds__(kMaxWarps * 32) decode_f64_mma_kernel(const Pa
   constexpr int ROW_BYTES = 2 * D;
   constexpr int SLOT_BYTES = 2 * CH * ROW_BYTES;  // the chunk's K rows, then its V rows
   static_assert(DEPTH >= 2 && 8 % SPLIT == 0, "a ring of two or more slots; SPLIT divides a piece's 8 dims");
-  static_assert(!FUSED || D == 128, "the fused q/k norm takes head dim 128");
-  if (!FUSED && p.pdl) pdl_wait(p.pdl);
+  if (p.pdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (p.pdl == 1) asm volatile("griddepcontrol.launch_dependents;");
+  }
   extern __shared__ double smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int b = blockIdx.x;
   const int kvh = blockIdx.y / p.groups, row0 = blockIdx.y % p.groups * kRows;
   const int rows = min(kRows, p.rep - row0);
-  const int64_t slot = FUSED ? __ldcg(p.slot_ids + b) : p.slot_ids[b];
-  const int n = FUSED ? __ldcg(p.seq_lens + b) : p.seq_lens[b];
+  const int64_t slot = p.slot_ids[b];
+  const int n = p.seq_lens[b];
   const int per = ((n + p.splits - 1) / p.splits + CH - 1) / CH * CH;
   const int lo = blockIdx.z * per, hi = min(lo + per, n);
-  // fused: the new key's position; the split that holds it computes the new key and value
-  const int64_t cur = FUSED ? __ldcg(p.pos + b * p.pos_b) : -1;
-  const bool own_kv = FUSED && static_cast<int64_t>(blockIdx.z) == min(cur / per, static_cast<int64_t>(p.splits - 1));
-  uint16_t* const q_s = reinterpret_cast<uint16_t*>(reinterpret_cast<unsigned char*>(smem) +
-                                                    rings_or_merge_bytes<D>(n_warps));
   const uint16_t* kb = p.k + slot * p.sk_slot + kvh * p.sk_head;
   const uint16_t* vb = p.v + slot * p.sv_slot + kvh * p.sv_head;
   const unsigned char* ring = reinterpret_cast<const unsigned char*>(smem) + warp * DEPTH * SLOT_BYTES;
@@ -370,34 +235,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32) decode_f64_mma_kernel(const Pa
     cp_async_commit();
   };
   const int first = lo + warp * CH, stride = n_warps * CH;
-  // the ring's first chunks before the wait where they hold no new key (fused: nothing else in them is written
-  // by the kernel before); keys at or past hi are never read, so every split but the new key's own stages early
-  const bool early = FUSED && (cur < lo || cur >= hi || cur >= lo + (DEPTH - 1) * stride);
-  if (early) {
 #pragma unroll
-    for (int i = 0; i < DEPTH - 1; ++i) stage(first + i * stride, i);
-  }
-  if constexpr (FUSED) {
-    const QkRowInputs in = qk_row_inputs(p, b, lane);
-    if (p.pdl) pdl_wait(p.pdl);
-    qk_prologue<D>(p, in, b, kvh, row0, rows, own_kv, slot, cur, q_s);
-    __syncthreads();  // q_s and the cache's new row written (the ring's cp.async reads it after this)
-  }
-  if (!early) {
-#pragma unroll
-    for (int i = 0; i < DEPTH - 1; ++i) stage(first + i * stride, i);
-  }
+  for (int i = 0; i < DEPTH - 1; ++i) stage(first + i * stride, i);
 
   double qa[QJ];  // A operands of q.k: row g (zero past the group); step 8u + e is dim 8 (4u + c) + e
   {
-    const int qr = min(g, rows - 1);
-    const uint16_t* qrow = FUSED ? q_s + qr * (D + kQPitch)
-                                 : p.q + b * p.sq_b + static_cast<int64_t>(kvh * p.rep + row0 + qr) * p.sq_h;
+    const uint16_t* qrow = p.q + b * p.sq_b + static_cast<int64_t>(kvh * p.rep + row0 + min(g, rows - 1)) * p.sq_h;
 #pragma unroll
     for (int u = 0; u < QJ / 8; ++u) {
-      const uint16_t* at = qrow + 8 * (4 * u + c);
-      const uint4 w = g >= rows ? make_uint4(0, 0, 0, 0)
-                      : FUSED ? *reinterpret_cast<const uint4*>(at) : __ldg(reinterpret_cast<const uint4*>(at));
+      const uint4 w = load16(qrow + 8 * (4 * u + c), g < rows);
 #pragma unroll
       for (int e = 0; e < 8; ++e) qa[8 * u + e] = bf16_at(w, e);
     }
@@ -458,19 +304,24 @@ __global__ void __launch_bounds__(kMaxWarps * 32) decode_f64_mma_kernel(const Pa
   merge_warps<D>(p, smem, acc, m_run, den, b, kvh, row0, rows);
 }
 
+// Shared memory of a launch: the warps' rings, or the merge's accumulators where larger (the same memory).
 template <int D>
-size_t smem_bytes(int warps, bool fused) { return rings_or_merge_bytes<D>(warps) + (fused ? qk_bytes<D>() : 0); }
+size_t smem_bytes(int warps) {
+  const size_t merge = sizeof(double) * (static_cast<size_t>(warps) * (D / 8) * 64 + 3 * warps * kRows);
+  const size_t ring = static_cast<size_t>(warps) * kDepth * 2 * 8 * kTiles * 2 * D;
+  return merge > ring ? merge : ring;
+}
 
-template <int D, bool FUSED>
+template <int D>
 int launch_one(const Params& p, int batch, int warps, cudaStream_t stream) {
-  const size_t smem = smem_bytes<D>(warps, FUSED);
+  const size_t smem = smem_bytes<D>(warps);
   static size_t raised[64] = {};  // opt-in above 48 KB, once per device (not inside a graph capture)
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 0 || dev >= 64) return -1;
   if (smem > 48 * 1024 && smem > raised[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(decode_f64_mma_kernel<D, FUSED>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    cudaError_t err = cudaFuncSetAttribute(decode_f64_mma_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
     if (err != cudaSuccess) {
       cudaGetLastError();  // not left for the next launch's check
       return static_cast<int>(err);
@@ -487,21 +338,24 @@ int launch_one(const Params& p, int batch, int warps, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_f64_mma_kernel<D, FUSED>, p);
+  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_f64_mma_kernel<D>, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
 }  // namespace minite_attention
 
-// Entry points (pointers and the stream as integers). -1: a shape or config the build does not take.
-namespace minite_attention {
-static int64_t launch_common(Params& p, int64_t k, int64_t v, int64_t slot_ids, int64_t seq_lens, int64_t part_acc,
-                             int64_t part_ml, int64_t out, int64_t batch, int64_t n_q_heads, int64_t rep, int64_t d,
-                             int64_t sk_slot, int64_t sk_head, int64_t sk_seq, int64_t sv_slot, int64_t sv_head,
-                             int64_t sv_seq, double scale, int64_t splits, int64_t warps, int64_t pdl, int64_t stream) {
+// Entry point (pointers and the stream as integers). -1: a shape or config the build does not take.
+int64_t decode_attention_launch(int64_t q, int64_t k, int64_t v, int64_t slot_ids, int64_t seq_lens,
+                                int64_t part_acc, int64_t part_ml, int64_t out, int64_t batch, int64_t n_q_heads,
+                                int64_t rep, int64_t d, int64_t sq_b, int64_t sq_h, int64_t sk_slot,
+                                int64_t sk_head, int64_t sk_seq, int64_t sv_slot, int64_t sv_head, int64_t sv_seq,
+                                double scale, int64_t splits, int64_t warps, int64_t pdl, int64_t stream) {
+  using namespace minite_attention;
   if (batch < 1 || rep < 1 || n_q_heads % rep || splits < 1 || warps < 1 || warps > kMaxWarps || pdl < 0 ||
       pdl > 2)
     return -1;
+  Params p;
+  p.q = reinterpret_cast<const uint16_t*>(q);
   p.k = reinterpret_cast<const uint16_t*>(k);
   p.v = reinterpret_cast<const uint16_t*>(v);
   p.slot_ids = reinterpret_cast<const int*>(slot_ids);
@@ -509,6 +363,8 @@ static int64_t launch_common(Params& p, int64_t k, int64_t v, int64_t slot_ids, 
   p.part_acc = reinterpret_cast<double*>(part_acc);
   p.part_ml = reinterpret_cast<double*>(part_ml);
   p.out = reinterpret_cast<uint16_t*>(out);
+  p.sq_b = sq_b;
+  p.sq_h = sq_h;
   p.sk_slot = sk_slot;
   p.sk_head = sk_head;
   p.sk_seq = sk_seq;
@@ -523,50 +379,7 @@ static int64_t launch_common(Params& p, int64_t k, int64_t v, int64_t slot_ids, 
   p.pdl = static_cast<int>(pdl);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const int b = static_cast<int>(batch), w = static_cast<int>(warps);
-  if (p.qkv != nullptr) return d == 128 ? launch_one<128, true>(p, b, w, s) : -1;
-  if (d == 64) return launch_one<64, false>(p, b, w, s);
-  if (d == 128) return launch_one<128, false>(p, b, w, s);
+  if (d == 64) return launch_one<64>(p, b, w, s);
+  if (d == 128) return launch_one<128>(p, b, w, s);
   return -1;
-}
-}  // namespace minite_attention
-
-int64_t decode_attention_launch(int64_t q, int64_t k, int64_t v, int64_t slot_ids, int64_t seq_lens,
-                                int64_t part_acc, int64_t part_ml, int64_t out, int64_t batch, int64_t n_q_heads,
-                                int64_t rep, int64_t d, int64_t sq_b, int64_t sq_h, int64_t sk_slot,
-                                int64_t sk_head, int64_t sk_seq, int64_t sv_slot, int64_t sv_head, int64_t sv_seq,
-                                double scale, int64_t splits, int64_t warps, int64_t pdl, int64_t stream) {
-  minite_attention::Params p = {};
-  p.q = reinterpret_cast<const uint16_t*>(q);
-  p.sq_b = sq_b;
-  p.sq_h = sq_h;
-  return minite_attention::launch_common(p, k, v, slot_ids, seq_lens, part_acc, part_ml, out, batch, n_q_heads, rep,
-                                         d, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq, scale, splits, warps,
-                                         pdl, stream);
-}
-
-// The same launch fused with the q/k norm + rotary and the cache write (head dim 128): q from the projection's row.
-int64_t decode_attention_qk_launch(int64_t qkv, int64_t qkv_row, int64_t q_norm, int64_t k_norm, int64_t cos,
-                                   int64_t sin, int64_t cs_b, int64_t pos, int64_t pos_b, double eps, double inv_d,
-                                   int64_t hf, int64_t k, int64_t v, int64_t slot_ids, int64_t seq_lens,
-                                   int64_t part_acc, int64_t part_ml, int64_t out, int64_t batch, int64_t n_q_heads,
-                                   int64_t rep, int64_t sk_slot, int64_t sk_head, int64_t sk_seq, int64_t sv_slot,
-                                   int64_t sv_head, int64_t sv_seq, double scale, int64_t splits, int64_t warps,
-                                   int64_t pdl, int64_t stream) {
-  minite_attention::Params p = {};
-  p.qkv = reinterpret_cast<const uint16_t*>(qkv);
-  p.q_norm = reinterpret_cast<const uint16_t*>(q_norm);
-  p.k_norm = reinterpret_cast<const uint16_t*>(k_norm);
-  p.cos = reinterpret_cast<const void*>(cos);
-  p.sin = reinterpret_cast<const void*>(sin);
-  p.pos = reinterpret_cast<const int64_t*>(pos);
-  p.qkv_row = qkv_row;
-  p.cs_b = cs_b;
-  p.pos_b = pos_b;
-  p.eps = static_cast<float>(eps);
-  p.inv_d = static_cast<float>(inv_d);
-  p.hf = hf != 0;
-  if (p.qkv == nullptr) return -1;
-  return minite_attention::launch_common(p, k, v, slot_ids, seq_lens, part_acc, part_ml, out, batch, n_q_heads, rep,
-                                         128, sk_slot, sk_head, sk_seq, sv_slot, sv_head, sv_seq, scale, splits,
-                                         warps, pdl, stream);
 }

@@ -176,14 +176,10 @@ class Sampler:
         qkv = ops.linear(x, lw.qkv, self.recipe, calib, valid, codes=codes)
         nq = self.n_q * self.head_dim
         kc, vc = self._cache[0][li], self._cache[1][li]            # [slots, kv, S, D]
-        invariant = self.recipe.attention == "invariant"
-        if decode is not None and invariant:  # all of the below in one launch where the fp64 CUDA kernel runs
-            o = kernels.decode_attention_qk(qkv, self.n_q, self.n_kv, lw.q_norm, lw.k_norm, self.eps, *rope,
-                                            self.recipe.non_gemm, (kc, vc, slots, pos), *decode, self.scaling)
-            return ops.linear(o.reshape(b, t, nq), lw.o, self.recipe, calib, valid)
         # q_norm / k_norm, rotary, and the keys and values into the cache at (slot, position), fused
         q, k = fused_ops.qk_norm_rope(qkv, self.n_q, self.n_kv, lw.q_norm, lw.k_norm, self.eps, *rope,
                                       self.recipe.non_gemm, cache=(kc, vc, slots, pos))
+        invariant = self.recipe.attention == "invariant"
         if decode is not None:
             o = ops.decode_attention(q[:, :, 0], kc, vc, *decode, self.scaling,
                                      "invariant" if invariant else "fast")
