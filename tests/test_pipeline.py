@@ -245,6 +245,19 @@ def test_learner_rounds_are_one_job_in_rotated_order(wf):
     assert bad.returncode != 0 and "minimum" in bad.stdout + bad.stderr
 
 
+def test_rollout_rounds_are_one_job_in_rotated_order(wf):
+    """`rounds: 2` in the bench_sampler job: one job runs bench-sampler for every arm once per round
+    (minite.report.run-rounds --bench sampler), then merges each arm's rollout.json."""
+    path = wf / "sampler_rounds.yaml"
+    path.write_text("jobs:\n  bench_sampler:\n    rounds: 2\n")
+    r = smk(wf, "-n", "-p", "throughput_table", "--configfile", str(path))
+    assert job_counts(r.stdout + r.stderr)["bench_sampler"] == 1
+    assert ("minite.report run-rounds --bench sampler --results results/cpu --plan 'bf16:0 naive_te_nvfp4:0 "
+            "minite_nvfp4:0 naive_te_nvfp4:1 minite_nvfp4:1 bf16:1' --runner '") in r.stdout
+    assert ("minite.report merge-rounds --bench sampler --results results/cpu --arms bf16 naive_te_nvfp4 "
+            "minite_nvfp4 --rounds 2") in r.stdout
+
+
 @pytest.mark.slow
 def test_learner_rounds_run_and_pair_the_ratios(wf):
     """Two rounds of the tiny model on CPU end to end: every round's record, the merged learner.json of each
@@ -265,6 +278,30 @@ def test_learner_rounds_run_and_pair_the_ratios(wf):
     per_round = [m / b for m, b in zip(t["minite_nvfp4"], t["bf16"], strict=True)]
     assert df.loc["minite_nvfp4", "ratio_vs_bf16_lo"] == pytest.approx(min(per_round))
     assert df.loc["minite_nvfp4", "ratio_vs_bf16_hi"] == pytest.approx(max(per_round))
+
+
+@pytest.mark.slow
+def test_rollout_rounds_run_and_pair_the_ratio(wf):
+    """Two rounds of bench-sampler (tiny model, CPU) end to end: each arm's rollout.json is one of its rounds'
+    records with both rounds listed, and the table's rollout ratio is paired per round."""
+    path = wf / "sampler_rounds.yaml"
+    path.write_text("jobs:\n  bench_sampler:\n    rounds: 2\n    args: {device: cpu, batch: 4, prompt-len: 8, "
+                    "new-tokens: 8}\n  bench_learner:\n    args: {device: cpu, steps: 5, warmup: 1}\n")
+    smk(wf, "--cores", "2", "throughput_table", "--configfile", str(path))
+    res = wf / "results" / "cpu"
+    steps = {}
+    for arm in ARMS:
+        rec = json.loads((res / arm / "rollout.json").read_text())
+        assert [r["round"] for r in rec["rounds"]] == [0, 1] and rec["median_round"] in (0, 1)
+        assert rec["step_ms"] == json.loads((res / arm / "rollout_rounds" / f"round{rec['median_round']}.json")
+                                            .read_text())["step_ms"]
+        steps[arm] = [r["step_ms"]["median"] for r in rec["rounds"]]
+    assert not (res / ".partial").exists()
+    df = pd.read_csv(res / "throughput_table.csv").set_index("arm")
+    assert (df["rollout_rounds"] == 2).all()
+    per_round = [b / m for m, b in zip(steps["minite_nvfp4"], steps["bf16"], strict=True)]
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16_lo"] == pytest.approx(min(per_round))
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16_hi"] == pytest.approx(max(per_round))
 
 
 @pytest.mark.slow
@@ -297,7 +334,8 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
         "round_spread", "flag",
         "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
         "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
-        "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms",
+        "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_ratio_vs_bf16_lo",
+        "rollout_ratio_vs_bf16_hi", "rollout_rounds", "rollout_roofline_frac", "rollout_step_ms",
         "rollout_sha", "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
         "quant_share"]
     assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()

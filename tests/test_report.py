@@ -118,6 +118,66 @@ def test_rollout_columns_from_bench_sampler_records(results):
         tables.write_throughput_table(results, ARMS)
 
 
+def _rollout_record(arm, step_median, k=0, model="tiny"):
+    return {"arm": arm, "decode_tokens_per_s": 64e3 / step_median, "roofline_frac": 0.4,
+            "step_ms": {"median": step_median, "p10": 0.9 * step_median, "p90": 1.1 * step_median, "n": 63},
+            "cuda_graphs": True, "model": model, "layers": 2, "batch": 64, "prompt_len": 32, "new_tokens": 64,
+            "device": "cpu", "sha": "abc", "date": f"2026-12-01T10:0{k}:00+00:00"}
+
+
+def test_rollout_rounds_merge_into_the_median_round_and_pair_the_ratio(results):
+    """bench-sampler in rounds: rollout.json is the median round's record (by decode tokens/s) with every
+    round's figures; the ratio vs BF16 is the median of the rounds' ratios of median steps, its range theirs."""
+    sampler = rounds.BENCHES["sampler"]
+    steps = {"bf16": [30.0, 32.0, 28.0], "naive_te_nvfp4": [20.0, 21.0, 22.0], "minite_nvfp4": [15.0, 20.0, 14.0]}
+    for arm, per_round in steps.items():
+        for k, ms in enumerate(per_round):
+            write_json(results / arm / rounds.round_file(k, sampler), _rollout_record(arm, ms, k))
+    merged = rounds.write_merged(results, ARMS, 3, sampler)
+    rec = json.loads((results / "minite_nvfp4" / "rollout.json").read_text())
+    assert rec == merged["minite_nvfp4"] and rec["median_round"] == 0 and rec["step_ms"]["median"] == 15.0
+    assert [r["step_ms"]["median"] for r in rec["rounds"]] == [15.0, 20.0, 14.0]
+    assert rec["date"] == "2026-12-01T10:00:00+00:00"                    # round 0's own record
+    df = tables.write_throughput_table(results, ARMS).set_index("arm")
+    # per round bf16 / minite: 2.0, 1.6, 2.0 -> median 2.0, range 1.6-2.0
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16"] == pytest.approx(2.0)
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16_lo"] == pytest.approx(1.6)
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16_hi"] == pytest.approx(2.0)
+    assert df.loc["bf16", "rollout_ratio_vs_bf16"] == df.loc["bf16", "rollout_ratio_vs_bf16_lo"] == 1.0
+    assert list(df["rollout_rounds"]) == [3, 3, 3]
+    md = (results / "throughput_table.md").read_text()
+    assert "Measured in 3 rounds, every arm once per round; each row is the arm's median round" in md
+    assert "| minite_nvfp4 | 4,267 | 2.00x (1.60-2.00) | 15.000 |" in md
+    (results / "naive_te_nvfp4" / "rollout.json").unlink()             # the other arms still pair their rounds
+    df = tables.write_throughput_table(results, ARMS).set_index("arm")
+    assert df.loc["minite_nvfp4", "rollout_ratio_vs_bf16_lo"] == pytest.approx(1.6)
+    assert math.isnan(df.loc["naive_te_nvfp4", "rollout_rounds"])
+    (results / "bf16" / rounds.round_file(2, sampler)).unlink()
+    with pytest.raises(FileNotFoundError, match="bf16/rollout_rounds/round2"):
+        rounds.write_merged(results, ARMS, 3, sampler)
+    with pytest.raises(ResultError, match="different arms or model slices"):
+        rounds.merge_rounds([_rollout_record("bf16", 1.0), _rollout_record("bf16", 1.0, model="small")], sampler)
+
+
+def test_rollout_rounds_run_bench_sampler_into_their_own_directory(results, tmp_path, monkeypatch):
+    """run_rounds with the sampler bench: the runner gets bench-sampler, the records land in rollout_rounds/
+    and the resume copies in .partial/rollout_rounds/, apart from the learner's."""
+    fake = tmp_path / "fake_bench.py"
+    fake.write_text("import sys, os\nopen(os.environ['RUNS_LOG'], 'a').write(sys.argv[1] + '\\n')\n" + FAKE_BENCH)
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("RUNS_LOG", str(log))
+    monkeypatch.setattr(rounds, "git_sha", lambda: "abc")
+    sampler = rounds.BENCHES["sampler"]
+    plan = rounds.parse_plan("bf16:0 minite_nvfp4:0")
+    assert rounds.run_rounds(results, plan, [sys.executable, str(fake)], ["--batch", "8"], sampler) == 0
+    assert log.read_text().split() == ["bench-sampler", "bf16:0", "bench-sampler", "minite_nvfp4:0"]
+    assert (results / "minite_nvfp4" / "rollout_rounds" / "round0.json").is_file()
+    assert (rounds.partial_dir(results, sampler) / "bf16" / "round0.json").is_file()
+    assert not rounds.partial_dir(results).exists()                      # the learner's copies: untouched
+    rounds.drop_partial(results, sampler)
+    assert not (results / ".partial").exists()
+
+
 def test_spread_and_ratio_range_from_the_step_times(tmp_path):
     """tokens/s quartiles from the step-time quartiles; the ratio's range divides opposite quartiles."""
     write_json(tmp_path / "bf16" / "learner.json", learner_record("bf16", 1000.0, steps=[0.9, 1.0, 1.0, 1.0, 1.2]))
@@ -263,7 +323,7 @@ def test_rounds_job_resumes_the_whole_rounds_an_interrupted_attempt_finished(res
     assert attempt(args=["--steps", "5"])[1] == [f"{a}:{k}" for a, k in plan]
     # uncommitted changes: no copies are made, so nothing can be kept
     monkeypatch.setattr(rounds, "git_sha", lambda: "abc-dirty")
-    assert attempt("bf16:1")[0] == 3 and not (results / rounds.PARTIAL).exists()
+    assert attempt("bf16:1")[0] == 3 and not rounds.partial_dir(results).exists()
     assert attempt()[1] == [f"{a}:{k}" for a, k in plan]
     with pytest.raises(ResultError, match="ARM:ROUND"):
         rounds.parse_plan("bf16:0 naive")

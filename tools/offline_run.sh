@@ -57,7 +57,7 @@ for st in "$@"; do
     install)     stage install 300 install ;;
     gputests)    stage gputests 480 $PY -m pytest -q -m gpu tests/ ;;   # H200: ~4 min, the CUDA decode GEMM build included
     smoke)       stage smoke 90 bash -c "$PY -m minite bench-learner --arm minite_nvfp4 --model tiny --device cuda --steps 3 --warmup 1 --out /tmp/minite_smoke/learner.json && $PY -m minite diagnose --arm minite_nvfp4 --model tiny --device cuda --attribution off --out /tmp/minite_smoke/diagnostics" ;;
-    throughput)  stage throughput 900 $SMK throughput_table ${SMK_EXTRA:-} ;;   # h200: 3 rounds x 3 arms of bench-learner
+    throughput)  stage throughput 900 $SMK throughput_table ${SMK_EXTRA:-} ;;   # h200: 3 rounds x 3 arms of bench-learner and of bench-sampler (a cut-off job resumes by whole rounds)
     kernels)     stage kernels 300 $SMK kernel_bench ${SMK_EXTRA:-} ;;
     sft)         stage sft 120 $SMK "$RESULTS/sft/sft.json" ${SMK_EXTRA:-} ;;
     diagnostics) stage diagnostics 180 $SMK diagnostics ${SMK_EXTRA:-} ;;

@@ -9,6 +9,7 @@
     python -m minite.report run-rounds --results results/h200 --plan "bf16:0 minite_nvfp4:0 ..." \
         --runner "python -m minite" --args "--model qwen3_30b_a3b ..."
     python -m minite.report merge-rounds --results results/h200 --arms ... --rounds 3
+    (run-rounds / merge-rounds --bench sampler: bench-sampler's rollout records, rollout_rounds/ -> rollout.json)
 (--arms: run directories, an arm or <arm>_seed<N>, for the RL tables and figures)
 
 The committed reference runs (results/reference/<profile>) render the same way: ``--results`` may name one.
@@ -32,17 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("results-table", help="results_table.{csv,md,tex}: accuracy and stability per arm, seeds "
                                              "pooled, from <results>/<run>/stability.jsonl (+ summaries, evals)")
     r.add_argument("--profile", help="profile name shown in the markdown (default: the results dir name)")
-    rr = sub.add_parser("run-rounds", help="run bench-learner per (arm, round) of --plan into <results>/<arm>/"
-                                           "learner_rounds/, keeping whole rounds an interrupted attempt finished")
+    rr = sub.add_parser("run-rounds", help="run bench-learner (bench-sampler) per (arm, round) of --plan into "
+                                           "<results>/<arm>/learner_rounds/ (rollout_rounds/), keeping whole "
+                                           "rounds an interrupted attempt finished")
     rr.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
     rr.add_argument("--plan", required=True, help="'ARM:ROUND ...' in run order")
     rr.add_argument("--runner", required=True, help="the command that runs minite's CLI, e.g. 'python -m minite'")
-    rr.add_argument("--args", default="", help="bench-learner's arguments besides --arm and --out (one string)")
-    m = sub.add_parser("merge-rounds", help="<results>/<arm>/learner.json from the arm's learner_rounds/round<k>"
-                                            ".json (bench-learner run in rounds: minite.report.rounds)")
+    rr.add_argument("--args", default="", help="the bench's arguments besides --arm and --out (one string)")
+    m = sub.add_parser("merge-rounds", help="<results>/<arm>/learner.json (rollout.json) from the arm's "
+                                            "learner_rounds/round<k>.json (rollout_rounds/): minite.report.rounds")
     m.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
     m.add_argument("--arms", nargs="+", required=True, help="the arms measured in the rounds")
     m.add_argument("--rounds", type=int, required=True, help="how many rounds were run")
+    for q in (rr, m):
+        q.add_argument("--bench", choices=["learner", "sampler"], default="learner",
+                       help="bench-learner's records (default) or bench-sampler's")
     for q in (t, f, r):
         q.add_argument("--results", required=True, help="the profile's results directory, results/<profile>")
         q.add_argument("--arms", nargs="+", default=[], help="arms, in display order")
@@ -65,14 +70,16 @@ def main(argv=None) -> int:
     if a.what == "run-rounds":
         import shlex
 
-        from minite.report.rounds import parse_plan, run_rounds
-        return run_rounds(a.results, parse_plan(a.plan), shlex.split(a.runner), shlex.split(a.args))
+        from minite.report.rounds import BENCHES, parse_plan, run_rounds
+        return run_rounds(a.results, parse_plan(a.plan), shlex.split(a.runner), shlex.split(a.args),
+                          BENCHES[a.bench])
     if a.what == "merge-rounds":
-        from minite.report.rounds import drop_partial, write_merged
-        for arm, rec in write_merged(a.results, a.arms, a.rounds).items():
-            print(f"{arm}: {rec['tokens_per_s']:,.0f} tokens/s (round {rec['median_round']}, the median of {a.rounds}: "
+        from minite.report.rounds import BENCHES, drop_partial, write_merged
+        bench = BENCHES[a.bench]
+        for arm, rec in write_merged(a.results, a.arms, a.rounds, bench).items():
+            print(f"{arm}: {rec[bench.rate]:,.0f} tokens/s (round {rec['median_round']}, the median of {a.rounds}: "
                   + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in rec["rounds"]) + ")")
-        drop_partial(a.results)
+        drop_partial(a.results, bench)
         return 0
     if a.what == "results-table":
         from minite.report.results_table import write_results_table

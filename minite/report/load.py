@@ -74,11 +74,12 @@ def load_learner(results_dir, arms, missing: str = "raise", rel: str = "learner.
     return out
 
 
-def load_rollout(results_dir, arms, missing: str = "skip") -> dict[str, dict]:
+def load_rollout(results_dir, arms, missing: str = "skip", rel: str = "rollout.json") -> dict[str, dict]:
     """arm -> the rollout.json record of ``bench-sampler`` (provenance lifted to the top level); arms without
-    one are left out (the rollout columns are optional)."""
+    one are left out (the rollout columns are optional). ``rel``: another bench-sampler record of the arm's
+    directory (a round: ``minite.report.rounds``)."""
     out = {}
-    for arm, path in _paths(results_dir, arms, "rollout.json", missing).items():
+    for arm, path in _paths(results_dir, arms, rel, missing).items():
         rec = json.loads(path.read_text())
         if not isinstance(rec, dict) or "decode_tokens_per_s" not in rec or "roofline_frac" not in rec:
             raise ResultError(f"{path}: not a bench-sampler record (decode_tokens_per_s, roofline_frac)")

@@ -18,9 +18,12 @@ updates after the timed ones; older records split the timed updates, so their ``
 quantization's share of that update.
 
 Rollout columns (``rollout_*``, NaN for arms without a ``rollout.json`` of ``bench-sampler``): decode tokens/s,
-its ratio to the ``bf16`` arm's, the fraction of the weights' bandwidth roofline reached, the median decode
-step (ms). The rollout setup (model slice, batch) is its own and is stated in the markdown, with each arm's
-10th-90th percentile step and the ratio's range from them.
+its ratio to the ``bf16`` arm's (BF16's median decode step over the arm's, same batch) with a range
+(``_lo`` = BF16's 10th percentile step over this arm's 90th, ``_hi`` the reverse), the rounds measured, the
+fraction of the weights' bandwidth roofline reached, the median decode step (ms). Measured in rounds (every
+record with the same number of ``rounds``, at least two) the ratio is the median of the per-round ratios
+and its range their minimum and maximum, as for the learner. The rollout setup (model slice, batch) is its
+own and is stated in the markdown, with each arm's 10th-90th percentile step.
 
 The trust rule (``flag``): a row is flagged when it has fewer than ``MIN_STEPS`` timed steps (too few to
 know its spread), a spread above ``SPREAD_LIMIT`` (10%: a ratio against it can be off by that much) or
@@ -43,7 +46,8 @@ COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_ste
            "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi",
            "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
            "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver",
-           "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_roofline_frac", "rollout_step_ms",
+           "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_ratio_vs_bf16_lo", "rollout_ratio_vs_bf16_hi",
+           "rollout_rounds", "rollout_roofline_frac", "rollout_step_ms",
            "rollout_sha", "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
            "quant_share"]
 SPLIT_KEYS = ("quantize", "gemm", "other", "optimizer")
@@ -123,10 +127,11 @@ def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None =
     rollout = rollout or {}
     df["rollout_tokens_per_s"] = [float(rollout[a]["decode_tokens_per_s"]) if a in rollout else math.nan
                                   for a in df["arm"]]
-    ref = rollout.get(BF16)
-    # against BF16 at the same batch: the ratio of the median decode steps (what the markdown prints too)
-    df["rollout_ratio_vs_bf16"] = [ref["step_ms"]["median"] / rollout[a]["step_ms"]["median"]
-                                   if ref and a in rollout else math.nan for a in df["arm"]]
+    ratios = [_rollout_ratio(rollout, a) for a in df["arm"]]
+    for i, name in enumerate(("rollout_ratio_vs_bf16", "rollout_ratio_vs_bf16_lo", "rollout_ratio_vs_bf16_hi")):
+        df[name] = [r[i] for r in ratios]
+    df["rollout_rounds"] = [max(1, len(_rollout_round_steps(rollout[a]))) if a in rollout else math.nan
+                            for a in df["arm"]]
     df["rollout_roofline_frac"] = [float(rollout[a]["roofline_frac"]) if a in rollout else math.nan
                                    for a in df["arm"]]
     df["rollout_step_ms"] = [float(rollout[a]["step_ms"]["median"]) if a in rollout else math.nan
@@ -211,18 +216,38 @@ def _split_section(df: pd.DataFrame) -> list[str]:
                        "quantization share"], rows)]
 
 
-def _rollout_ratio(rollout: dict[str, dict], arm: str) -> str:
-    """Decode tokens/s against BF16's (same batch: the ratio of the median steps), with the range of the two
-    runs' 10th-90th percentile step times (this arm's p90 against BF16's p10, and the reverse)."""
+def _rollout_round_steps(rec: dict) -> list[float]:
+    """A rollout record's median decode step (ms) in each of its rounds ([] for one run)."""
+    return [float(r["step_ms"]["median"]) for r in rec.get("rounds") or []]
+
+
+def _rollout_paired(rollout: dict[str, dict]) -> bool:
+    counts = {len(_rollout_round_steps(rec)) for rec in rollout.values()}
+    return len(counts) == 1 and min(counts) > 1
+
+
+def _rollout_ratio(rollout: dict[str, dict], arm: str) -> tuple[float, float, float]:
+    """Decode speed against BF16's at the same batch, (ratio, lo, hi) (module docstring); NaN without both."""
     if arm not in rollout or BF16 not in rollout:
-        return "n/a"
-    a, b = rollout[arm]["step_ms"], rollout[BF16]["step_ms"]
+        return math.nan, math.nan, math.nan
     if arm == BF16:
-        return "1.00x"
-    text = f"{b['median'] / a['median']:.2f}x"  # = the table's rollout_ratio_vs_bf16
+        return 1.0, 1.0, 1.0
+    if _rollout_paired(rollout):
+        per = [b / a for a, b in zip(_rollout_round_steps(rollout[arm]), _rollout_round_steps(rollout[BF16]),
+                                     strict=True)]
+        return statistics.median(per), min(per), max(per)
+    a, b = rollout[arm]["step_ms"], rollout[BF16]["step_ms"]
     if all(k in s for s in (a, b) for k in ("p10", "p90")):
-        text += f" ({b['p10'] / a['p90']:.2f}-{b['p90'] / a['p10']:.2f})"
-    return text
+        return b["median"] / a["median"], b["p10"] / a["p90"], b["p90"] / a["p10"]
+    return b["median"] / a["median"], math.nan, math.nan
+
+
+def _rollout_ratio_text(r) -> str:
+    """'1.12x (0.95-1.30)': the table's rollout ratio vs BF16 and its range."""
+    v, lo, hi = r.rollout_ratio_vs_bf16, r.rollout_ratio_vs_bf16_lo, r.rollout_ratio_vs_bf16_hi
+    if _nan(v):
+        return "n/a"
+    return f"{v:.2f}x" + ("" if r.arm == BF16 or _nan(lo) else f" ({lo:.2f}-{hi:.2f})")
 
 
 def _step_range(step_ms: dict) -> str:
@@ -231,7 +256,8 @@ def _step_range(step_ms: dict) -> str:
 
 def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
     any_rec = next(iter(rollout.values()))
-    rows = [[r.arm, _fmt(r.rollout_tokens_per_s, ",.0f"), _rollout_ratio(rollout, r.arm),
+    rows = [[r.arm, _fmt(r.rollout_tokens_per_s, ",.0f"),
+             _rollout_ratio_text(r),
              _fmt(r.rollout_step_ms, ",.3f"),
              _step_range(rollout[r.arm]["step_ms"]),
              str(rollout[r.arm]["step_ms"].get("n", "?")), _fmt(100 * r.rollout_roofline_frac, ".1f") + "%",
@@ -241,8 +267,11 @@ def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
             f"`python -m minite bench-sampler`: `{any_rec.get('model')}` ({any_rec.get('layers')} layers), "
             f"{any_rec.get('batch')} sequences, {any_rec.get('prompt_len')}-token prompts, "
             f"{any_rec.get('new_tokens')} new tokens, on {any_rec.get('device')} (this run: {run_label(rollout)}). "
-            "Every decode step is timed; the ratio's range pairs the arms' 10th and 90th percentile steps. "
-            "Roofline: tokens/s if every "
+            + (f"Measured in {len(_rollout_round_steps(any_rec))} rounds, every arm once per round; each "
+               "row is the arm's median round by decode tokens/s, and the ratio vs BF16 is the median of the "
+               "rounds' ratios of median decode steps, with their range. " if _rollout_paired(rollout) else
+               "Every decode step is timed; the ratio's range pairs the arms' 10th and 90th percentile steps. ")
+            + "Roofline: tokens/s if every "
             "decode step only read the weights it uses at the copy bandwidth measured in the same run.", "",
             _md_table(["arm", "decode tokens/s", "vs BF16", "step (ms, median)", "step p10-p90 (ms)", "steps",
                        "of roofline", "decode path"], rows)]

@@ -1,11 +1,11 @@
 # Learner throughput: bench-learner per arm, or, with `rounds: N` in the bench_learner job, every arm once per
 # round for N rounds (minite.report.rounds: ratios paired within a round); rollout throughput: bench-sampler
-# per arm (when the profile has a bench_sampler job); then the table (csv/md/tex, learner and rollout
-# columns) and the bar figure.
+# per arm (when the profile has a bench_sampler job), in rounds the same way with `rounds: N` there; then the
+# table (csv/md/tex, learner and rollout columns) and the bar figure.
 LEARNER_ROUNDS = int(job("bench_learner").get("rounds", 1))
 
 
-def learner_round_plan(arms: list[str], rounds: int) -> list[tuple[str, int]]:
+def round_plan(arms: list[str], rounds: int) -> list[tuple[str, int]]:
     """(arm, round) in run order: round after round, each over every arm, round k starting at arm k mod n,
     so no arm always runs first (after whatever job ran before) or last."""
     return [(arms[(k + i) % len(arms)], k) for k in range(rounds) for i in range(len(arms))]
@@ -44,7 +44,7 @@ else:
             rounds=[f"{RESULTS}/{arm}/learner_rounds/round{k}.json" for k in range(LEARNER_ROUNDS) for arm in ARMS],
         params:
             args=shlex.quote(job_args("bench_learner")),   # one argument of run-rounds
-            plan=" ".join(f"{arm}:{k}" for arm, k in learner_round_plan(ARMS, LEARNER_ROUNDS)),
+            plan=" ".join(f"{arm}:{k}" for arm, k in round_plan(ARMS, LEARNER_ROUNDS)),
             arms=" ".join(ARMS),
             rounds=LEARNER_ROUNDS,
             results=RESULTS,
@@ -62,24 +62,54 @@ else:
 
 # Rollout (decode) throughput beside the learner's, for profiles that configure a bench_sampler job.
 ROLLOUT = per_arm(f"{RESULTS}/{{arm}}/rollout.json") if "bench_sampler" in config["jobs"] else []
+SAMPLER_ROUNDS = int(job("bench_sampler").get("rounds", 1)) if ROLLOUT else 1
 
 
-rule bench_sampler:
-    input:
-        arm=arm_yaml,
-        model=model_inputs("bench_sampler") if ROLLOUT else [],
-    output:
-        f"{RESULTS}/{{arm}}/rollout.json",
-    params:
-        args=job_args("bench_sampler") if ROLLOUT else "",
-    log:
-        f"{LOGS}/bench_sampler/{{arm}}.log",
-    threads: job_threads("bench_sampler") if ROLLOUT else 1
-    resources:
-        gpu=job_gpus("bench_sampler") if ROLLOUT else 0,
-    shell:
-        "OMP_NUM_THREADS={threads} {PY} -m minite bench-sampler --arm {wildcards.arm} {params.args}"
-        " --out {output} > {log} 2>&1"
+if SAMPLER_ROUNDS == 1:
+
+    rule bench_sampler:
+        input:
+            arm=arm_yaml,
+            model=model_inputs("bench_sampler") if ROLLOUT else [],
+        output:
+            f"{RESULTS}/{{arm}}/rollout.json",
+        params:
+            args=job_args("bench_sampler") if ROLLOUT else "",
+        log:
+            f"{LOGS}/bench_sampler/{{arm}}.log",
+        threads: job_threads("bench_sampler") if ROLLOUT else 1
+        resources:
+            gpu=job_gpus("bench_sampler") if ROLLOUT else 0,
+        shell:
+            "OMP_NUM_THREADS={threads} {PY} -m minite bench-sampler --arm {wildcards.arm} {params.args}"
+            " --out {output} > {log} 2>&1"
+
+else:
+
+    # One job for all arms, as bench_learner's rounds (the rollout ratio vs BF16 paired within each round).
+    rule bench_sampler:
+        input:
+            arms=per_arm("configs/arms/{arm}.yaml"),
+            model=model_inputs("bench_sampler"),
+        output:
+            merged=ROLLOUT,
+            rounds=[f"{RESULTS}/{arm}/rollout_rounds/round{k}.json" for k in range(SAMPLER_ROUNDS) for arm in ARMS],
+        params:
+            args=shlex.quote(job_args("bench_sampler")),
+            plan=" ".join(f"{arm}:{k}" for arm, k in round_plan(ARMS, SAMPLER_ROUNDS)),
+            arms=" ".join(ARMS),
+            rounds=SAMPLER_ROUNDS,
+            results=RESULTS,
+        log:
+            f"{LOGS}/bench_sampler/rounds.log",
+        threads: job_threads("bench_sampler")
+        resources:
+            gpu=job_gpus("bench_sampler"),
+        shell:
+            "OMP_NUM_THREADS={threads} {PY} -m minite.report run-rounds --bench sampler --results {params.results}"
+            " --plan '{params.plan}' --runner '{PY} -m minite' --args {params.args} > {log} 2>&1"
+            " && {PY} -m minite.report merge-rounds --bench sampler --results {params.results}"
+            " --arms {params.arms} --rounds {params.rounds} >> {log} 2>&1"
 
 
 # The committed reference run of this profile, set beside the new one in the markdown (read, never written).
