@@ -237,10 +237,11 @@ def test_learner_rounds_are_one_job_in_rotated_order(wf):
     learner.json; rounds: 0 is refused."""
     r = smk(wf, "-n", "-p", "throughput_table", "--configfile", _rounds_config(wf, 3))
     assert job_counts(r.stdout + r.stderr)["bench_learner"] == 1
-    assert ("minite.report run-rounds --results results/cpu --plan 'bf16:0 naive_te_nvfp4:0 minite_nvfp4:0 "
-            "naive_te_nvfp4:1 minite_nvfp4:1 bf16:1 minite_nvfp4:2 bf16:2 naive_te_nvfp4:2' --runner '") in r.stdout
-    assert "minite.report merge-rounds --results results/cpu --arms bf16 naive_te_nvfp4 minite_nvfp4 --rounds 3" \
-        in r.stdout
+    assert ("minite.report run-rounds --bench learner --results results/cpu --plan 'bf16:0 naive_te_nvfp4:0 "
+            "minite_nvfp4:0 naive_te_nvfp4:1 minite_nvfp4:1 bf16:1 minite_nvfp4:2 bf16:2 naive_te_nvfp4:2' --runner '"
+            ) in r.stdout
+    assert ("minite.report merge-rounds --bench learner --results results/cpu --arms bf16 naive_te_nvfp4 "
+            "minite_nvfp4 --rounds 3") in r.stdout
     bad = smk(wf, "-n", "throughput_table", "--configfile", _rounds_config(wf, 0), check=False)
     assert bad.returncode != 0 and "minimum" in bad.stdout + bad.stderr
 

@@ -11,6 +11,15 @@ def round_plan(arms: list[str], rounds: int) -> list[tuple[str, int]]:
     return [(arms[(k + i) % len(arms)], k) for k in range(rounds) for i in range(len(arms))]
 
 
+def rounds_shell(bench: str, runner: str) -> str:
+    """The shell of a rounds job (`bench`: learner or sampler; `runner`: the command that runs minite's CLI):
+    run-rounds, then merge-rounds, from the rule's params results, plan, args, arms and rounds."""
+    return ("OMP_NUM_THREADS={threads} {PY} -m minite.report run-rounds --bench " + bench + " --results"
+            " {params.results} --plan '{params.plan}' --runner '" + runner + "' --args {params.args} > {log} 2>&1"
+            " && {PY} -m minite.report merge-rounds --bench " + bench + " --results {params.results}"
+            " --arms {params.arms} --rounds {params.rounds} >> {log} 2>&1")
+
+
 if LEARNER_ROUNDS == 1:
 
     rule bench_learner:
@@ -54,10 +63,7 @@ else:
         resources:
             gpu=job_gpus("bench_learner"),
         shell:
-            "OMP_NUM_THREADS={threads} {PY} -m minite.report run-rounds --results {params.results}"
-            " --plan '{params.plan}' --runner '" + minite("bench_learner") + "' --args {params.args} > {log} 2>&1"
-            " && {PY} -m minite.report merge-rounds --results {params.results} --arms {params.arms}"
-            " --rounds {params.rounds} >> {log} 2>&1"
+            rounds_shell("learner", minite("bench_learner"))
 
 
 # Rollout (decode) throughput beside the learner's, for profiles that configure a bench_sampler job.
@@ -106,10 +112,7 @@ else:
         resources:
             gpu=job_gpus("bench_sampler"),
         shell:
-            "OMP_NUM_THREADS={threads} {PY} -m minite.report run-rounds --bench sampler --results {params.results}"
-            " --plan '{params.plan}' --runner '{PY} -m minite' --args {params.args} > {log} 2>&1"
-            " && {PY} -m minite.report merge-rounds --bench sampler --results {params.results}"
-            " --arms {params.arms} --rounds {params.rounds} >> {log} 2>&1"
+            rounds_shell("sampler", "{PY} -m minite")
 
 
 # The committed reference run of this profile, set beside the new one in the markdown (read, never written).
