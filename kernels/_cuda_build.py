@@ -9,11 +9,16 @@ Interrupted builds. torch serialises builds of one extension with a plain file (
 killed before it ends leaves it behind, and every later build of that extension waits on it forever. So the
 builds here first take an OS lock of their own on the build directory (``flock``: it dies with its holder);
 whoever holds it knows that no live build of this package owns torch's lock file, and removes a stale one.
+
+Shared pieces. A kernel file's ``#include "<name>.cuh"`` of a header beside it (``cuda_common.cuh``) is pasted
+in before the build (``source_text``): load_inline hashes the source text it is given, so a change to the
+header rebuilds every extension that includes it.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -28,6 +33,14 @@ def enabled() -> bool:
 def arch_flag(cap: tuple[int, int]) -> str:
     major, minor = cap
     return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+
+
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.M)
+
+
+def source_text(source: Path) -> str:
+    """``source`` with each ``#include "<name>.cuh"`` of a header beside it replaced by the header's text."""
+    return _LOCAL_INCLUDE.sub(lambda m: (source.parent / m.group(1)).read_text(), source.read_text())
 
 
 def load(name: str, source: Path, decl: str, functions: list[str], cap: tuple[int, int],
@@ -48,7 +61,7 @@ def load(name: str, source: Path, decl: str, functions: list[str], cap: tuple[in
         build_dir = Path(cpp_extension._get_build_directory(ext, verbose=False))
         with build_guard(build_dir):
             return cpp_extension.load_inline(
-                name=ext, cpp_sources=[decl], cuda_sources=[source.read_text()], functions=functions,
+                name=ext, cpp_sources=[decl], cuda_sources=[source_text(source)], functions=functions,
                 extra_cuda_cflags=["-O3", arch_flag(cap)], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # compiler missing pieces, or a build error
         return _unavailable(what, f"build failed ({type(exc).__name__}: {str(exc)[-400:]})")

@@ -26,7 +26,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_common.cuh"
+
 namespace minite_attention {
+
+using minite_cuda::cp_async_commit;
+using minite_cuda::cp_async_wait;
 
 constexpr int kMaxWarps = 8;
 constexpr int kRows = 8;  // query heads per row group (the mma's M)
@@ -69,9 +74,6 @@ __device__ __forceinline__ uint4 load16(const uint16_t* p, bool ok) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ uint4 lds16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
@@ -314,32 +316,8 @@ size_t smem_bytes(int warps) {
 
 template <int D>
 int launch_one(const Params& p, int batch, int warps, cudaStream_t stream) {
-  const size_t smem = smem_bytes<D>(warps);
-  static size_t raised[64] = {};  // opt-in above 48 KB, once per device (not inside a graph capture)
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) return -1;
-  if (smem > 48 * 1024 && smem > raised[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(decode_f64_mma_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) {
-      cudaGetLastError();  // not left for the next launch's check
-      return static_cast<int>(err);
-    }
-    raised[dev] = smem;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(batch, p.n_q_heads / p.rep * p.groups, p.splits);
-  cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_f64_mma_kernel<D>, p);
-  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+  return minite_cuda::launch<decode_f64_mma_kernel<D>>(p, dim3(batch, p.n_q_heads / p.rep * p.groups, p.splits),
+                                                      dim3(warps * 32), smem_bytes<D>(warps), p.pdl != 0, stream);
 }
 
 }  // namespace minite_attention

@@ -43,7 +43,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_common.cuh"
+
 namespace minite_decode {
+
+using minite_cuda::cp_async_commit;
+using minite_cuda::cp_async_wait;
 
 constexpr int kStepBytes = 64;               // codes of one row per 128-wide K step
 constexpr int kRowPitch = 80;                // shared-memory pitch of one row's step (64 + 16: conflict-free)
@@ -108,11 +113,6 @@ template <int NT>
 struct TokenBudget {
   static constexpr int kUnitsPerThread = NT >= 4 ? 2 : 4;
 };
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Decoding, four code bytes at a time. A word x holds bytes B0..B3; each byte is an even-K element (low
 // nibble) and the next odd-K element (high nibble), sign in the nibble's top bit. An fp16 e2m1 * 2^-14 has
@@ -768,30 +768,8 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
   // every segment's token units fit the registers the kernel keeps for them
   if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;
   if (warps * 32 > Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads) return -1;  // more threads than it was built for
-  // dynamic shared memory this kernel may use on each device (48 KB without opting in); raised once per size
-  // and device, so a launch inside a CUDA graph capture (after a warm-up call) makes no attribute call
-  static size_t raised[64] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) return -1;
-  if (smem > 48 * 1024 && smem > raised[dev]) {
-    cudaError_t err = cudaFuncSetAttribute(decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return static_cast<int>(err);
-    raised[dev] = smem;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid_x, grid_y);
-  cfg.blockDim = dim3(warps * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG>, p);
-  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+  return minite_cuda::launch<decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG>>(p, dim3(grid_x, grid_y), dim3(warps * 32),
+                                                                        smem, p.pdl != 0, stream);
 }
 
 template <int NT, bool GROUPED, bool ROWS>

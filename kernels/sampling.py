@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from . import _backend
-from .log_softmax import LogSoftmaxRows
+from .log_softmax import WIDENED, LogSoftmaxRows
 
 BLOCK = 4096      # logits per block: 37 blocks of a 151,936-id vocabulary, one 16 KB read per pass and block
 
@@ -87,7 +87,7 @@ def _triton_sample(logits, temperature, uniform, row_max: bool = False):
     from ._triton_sampling import _block_stats_kernel, _pick_kernel
 
     b, v = logits.shape
-    x = logits if logits.dtype in (torch.float32, torch.bfloat16, torch.float16) else logits.float()
+    x = logits if logits.dtype in WIDENED else logits.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
     t = temperature if isinstance(temperature, torch.Tensor) else torch.tensor(float(temperature))

@@ -1,10 +1,11 @@
-"""The CUDA kernels' build guard: a build killed mid-way (torch's lock file left behind) does not make the
-next build wait forever, and a live build is waited for, not broken into."""
+"""The CUDA kernels' build: a build killed mid-way (torch's lock file left behind) does not make the next build
+wait forever, a live build is waited for, not broken into; a shared header is part of the source text built."""
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from minite.kernels import _cuda_build
@@ -56,3 +57,19 @@ def test_a_live_build_is_waited_for(tmp_path):
         proc.communicate("done\n", timeout=30)
     waiter.join(timeout=30)
     assert entered.is_set() and not (tmp_path / "lock").exists()
+
+
+def test_a_local_header_is_pasted_into_the_source_built(tmp_path):
+    (tmp_path / "common.cuh").write_text("// shared v1\nint shared();\n")
+    src = tmp_path / "k.cu"
+    src.write_text('#include <cstdint>\n#include "common.cuh"\nint k();\n')
+    text = _cuda_build.source_text(src)
+    assert text == "#include <cstdint>\n// shared v1\nint shared();\n\nint k();\n"
+    (tmp_path / "common.cuh").write_text("// shared v2\nint shared();\n")
+    assert _cuda_build.source_text(src) != text  # a header change changes what load_inline hashes: a rebuild
+
+
+@pytest.mark.parametrize("name", ["decode_gemm.cu", "decode_attention.cu"])
+def test_the_kernel_sources_built_hold_the_shared_header(name):
+    text = _cuda_build.source_text(Path(_cuda_build.__file__).with_name(name))
+    assert '#include "' not in text and "namespace minite_cuda" in text and "minite_cuda::launch<" in text
