@@ -5,6 +5,11 @@ apart, in torch's order), whatever the programs' own warps: the row's max from t
 part's threads' sums and warp trees, then one program per row adds the 32 warp sums by the block's tree. The
 bits do not depend on S. exp / log are libdevice's (numpy's under the interpreter). BF16 / FP16 logits are
 widened as they are loaded: the values torch reads from their fp32 copy.
+
+The K float4 chunks of a row are a compile-time count (one build per vocabulary size), unrolled: the loads do not
+depend on the sums, so the compiler issues them ahead of the ordered adds. A runtime loop left one load in
+flight per thread, whose latency bounded the pass (H200, 64 x 151,936 BF16 logits, the row max given, sums +
+finish: 19.2 us as a loop, 8.2 us unrolled; bitwise equal to torch's log-softmax either way).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ def _thread_ids(TS: tl.constexpr):
 
 
 @triton.jit
-def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
+def _max_part_kernel(logits, stride, part_max, V, K: tl.constexpr, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
                      TS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, part s): the max over the elements of its virtual threads (exact in any order)."""
     pdl_wait(PDL)
@@ -44,7 +49,7 @@ def _max_part_kernel(logits, stride, part_max, V, K, MAIN, TAIL: tl.constexpr, T
     t = _thread_ids(TS)
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]      # thread t's float4 of a 4T chunk
     m = tl.full([TS, 4], float("-inf"), tl.float32)
-    for k in range(K):
+    for k in tl.static_range(K):
         m = tl.maximum(m, tl.load(row + k * 4 * T + vec).to(tl.float32))
     mt = tl.full([TS], float("-inf"), tl.float32)
     for i in tl.static_range(TAIL):
@@ -60,7 +65,8 @@ def _row_max(part_max, r, S: tl.constexpr):
 
 
 @triton.jit
-def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.constexpr, T: tl.constexpr,
+def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K: tl.constexpr, MAIN, TAIL: tl.constexpr,
+                     T: tl.constexpr,
                      TS: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, part s): each of its virtual threads' sum of exp(x - max) in torch's order (the float4
     vectors, each one's four in order, then the tail), then each warp's shuffle tree; lane 0 of each of its
@@ -73,7 +79,7 @@ def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K, MAIN, TAIL: tl.c
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]
     mx = _row_max(part_max, r, MP)
     acc = tl.zeros([TS], tl.float32)
-    for k in range(K):
+    for k in tl.static_range(K):
         e = _expf(tl.load(row + k * 4 * T + vec).to(tl.float32) - mx)
         e02, e13 = tl.split(tl.reshape(e, [TS, 2, 2]))
         e0, e2 = tl.split(e02)
