@@ -66,8 +66,7 @@ def _row_max(part_max, r, S: tl.constexpr):
 
 @triton.jit
 def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K: tl.constexpr, MAIN, TAIL: tl.constexpr,
-                     T: tl.constexpr,
-                     TS: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr = False):
+                     T: tl.constexpr, TS: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row r, part s): each of its virtual threads' sum of exp(x - max) in torch's order (the float4
     vectors, each one's four in order, then the tail), then each warp's shuffle tree; lane 0 of each of its
     TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order). The max: of the row's MP
