@@ -69,6 +69,7 @@ def test_float64_keeps_tiny_differences():
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.floats(-8, 0), st.floats(-8, 0)), min_size=2, max_size=40))
 @example([(0.0, -2.0)] * 7)   # seven equal |dp|: their float mean rounds one ulp above their max
+@example([(0.0, 0.0), (-6.330550163202273e-17, 0.0)])  # exp(r) - r - 1 rounds below 0 at r under an ulp of 1
 def test_k3_nonnegative_and_bounds(pairs):
     ls = torch.tensor([[a for a, _ in pairs]], dtype=torch.float64)
     lt = torch.tensor([[b for _, b in pairs]], dtype=torch.float64)
