@@ -41,18 +41,20 @@ def test_kernel_bits_do_not_depend_on_the_parts_per_row(parts):
     assert torch.equal(a.mx, b.mx) and torch.equal(a.logsum, b.logsum)
 
 
-@pytest.mark.parametrize("parts", [1, 4])
-def test_a_row_max_from_the_sampler_skips_the_max_pass(parts):
-    """The sampler's blocks' maxima give each row's max exactly; the statistics from it are the same bits."""
+@pytest.mark.parametrize("parts,temperature", [(1, 0.7), (4, 0.7), (1, 1.0)])
+def test_a_row_max_from_the_sampler_skips_the_max_pass(parts, temperature):
+    """The sampler's blocks' maxima give each row's max exactly (at temperature 1 it is the max the draw's
+    first pass takes for itself); the statistics from it are the same bits."""
     v = L.SMEM_MIN + 400
     x = _logits(3, v, 5)
     x[1, 7] = 1e3  # an outlier in a block of its own
-    tok, mx = S.sample_tokens_with_max(x, 0.7, torch.tensor([0.1, 0.5, 0.9]), backend="triton")
-    assert torch.equal(tok, S.sample_tokens(x, 0.7, torch.tensor([0.1, 0.5, 0.9]), backend="triton"))
+    u = torch.tensor([0.1, 0.5, 0.9])
+    tok, mx = S.sample_tokens_with_max(x, temperature, u, backend="triton")
+    assert torch.equal(tok, S.sample_tokens(x, temperature, u, backend="triton"))
     assert torch.equal(mx, x.amax(-1))
     a, b = L.log_softmax_stats_emulated(x), L.log_softmax_stats(x, parts=parts, row_max=mx)
     assert torch.equal(a.mx, b.mx) and torch.equal(a.logsum, b.logsum)
-    _, ref_mx = S.sample_tokens_with_max(x, 0.7, torch.tensor([0.1, 0.5, 0.9]), top_p=0.9)  # the reference path
+    _, ref_mx = S.sample_tokens_with_max(x, temperature, u, top_p=0.9)  # the reference path
     assert torch.equal(ref_mx, mx)
     with pytest.raises(ValueError, match="row_max"):
         L.log_softmax_stats(x, row_max=mx[:2])
