@@ -42,10 +42,10 @@ def _logits_at(row, idx, mask, parts_stride, rd, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(logits, stride, parts_stride, rd, w_out, id_out, E, K: tl.constexpr, W: tl.constexpr,
-                  LOG_W: tl.constexpr, IT: tl.constexpr, K_SLOTS: tl.constexpr, LOG_SLOTS: tl.constexpr,
-                  BX: tl.constexpr, LOG_BX: tl.constexpr, NORM: tl.constexpr, HALVES: tl.constexpr,
-                  PARTS: tl.constexpr = 1, PDL: tl.constexpr = False):
+def _route_kernel(logits, stride, parts_stride, rd, w_out, id_out, E, K, W: tl.constexpr, LOG_W: tl.constexpr,
+                  IT: tl.constexpr, K_SLOTS: tl.constexpr, LOG_SLOTS: tl.constexpr, BX: tl.constexpr,
+                  LOG_BX: tl.constexpr, NORM: tl.constexpr, HALVES: tl.constexpr, PARTS: tl.constexpr = 1,
+                  PDL: tl.constexpr = False):
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
@@ -64,19 +64,17 @@ def _route_kernel(logits, stride, parts_stride, rd, w_out, id_out, E, K: tl.cons
     total = element(s, lane, 0)
     p = tl.reshape(_div(_expf(x - mx), total), [IT * W])
 
-    # top-k: k rounds take the largest left (the lowest index among equals), the last one is the k-th. Each
-    # round is one max of (value bits, n - 1 - index) packed in an int64 (probabilities >= +0.0 order like their
-    # bits; -1 marks the padding, -2 the taken): one reduction a round instead of a max and then a min
+    # top-k: k rounds take the largest left (the lowest index among equals), the last one is the k-th
     n: tl.constexpr = IT * W
     ar = tl.arange(0, n)
     bits = tl.where(ar < E, p.to(tl.int32, bitcast=True), -1)
-    left = (bits.to(tl.int64) << 32) | (n - 1 - ar).to(tl.int64)
-    best = tl.max(left, axis=0)
-    for _ in tl.static_range(K):
-        best = tl.max(left, axis=0)
-        left = tl.where(left == best, (-2 << 32) | (n - 1 - ar).to(tl.int64), left)
-    kth = (best >> 32).to(tl.int32)
-    sel = (left >> 32) == -2
+    left = bits
+    kth = tl.max(bits, axis=0)
+    for _ in range(K):
+        kth = tl.max(left, axis=0)
+        first = tl.min(tl.where(left == kth, ar, n), axis=0)
+        left = tl.where(ar == first, -2, left)
+    sel = left == -2
     # the radix select's write order: the values above the k-th in index order, then the equal ones
     above = bits > kth
     eq = sel & (bits == kth)

@@ -10,40 +10,39 @@ from ._triton_torch_order import element
 
 
 @triton.jit
-def _scaled(x, t):
-    """z = x / t, with the division skipped at t = 1 (x / 1 is x, bit for bit, -inf and NaN included): one
-    branch on a scalar for the whole program. At the RL temperature 1 the sampler's passes are bound by
-    their per-element arithmetic (the logits sit in L2), and an IEEE division is the longest of it."""
-    if t == 1.0:
-        z = x
-    else:
-        z = x / t
-    return z
+def _store_block_stats(x, z, idx, block_max, block_sum, block_raw_max, RAW_MAX: tl.constexpr,
+                       Z_IS_X: tl.constexpr):
+    """Block ``idx``'s max m of z, its sum of exp(z - m) (0 for a block without mass, whose m is -inf) and
+    (RAW_MAX) its max of x: the max of z itself where z is x. Past the vocabulary z is -inf: exp(z - m) = 0."""
+    m = tl.max(z, axis=0)
+    s = tl.sum(tl.exp(z - m), axis=0)
+    tl.store(block_max + idx, m)
+    tl.store(block_sum + idx, tl.where(m == float("-inf"), 0.0, s))
+    if RAW_MAX:
+        if Z_IS_X:
+            tl.store(block_raw_max + idx, m)
+        else:
+            tl.store(block_raw_max + idx, tl.max(x, axis=0))
 
 
 @triton.jit
 def _block_stats_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, V, NB, BLOCK: tl.constexpr,
                         RAW_MAX: tl.constexpr, PDL: tl.constexpr = False):
-    """Pass 1, one program per (row, block): the block's max m of z = logits / t and its sum of exp(z - m) (0
-    for a block without mass, whose m is -inf); RAW_MAX: also the block's max of the logits themselves. Past
-    the vocabulary z is -inf, whose exp(z - m) is 0 (and a block of -inf only has sum 0 by the test on m)."""
+    """Pass 1, one program per (row, block): the block's statistics of z = logits / t (``_store_block_stats``).
+    At t = 1 z is the logits themselves (x / 1 is x, bit for bit, -inf and NaN included), so that branch, one
+    test of a scalar for the whole program, skips the IEEE division, the longest part of the per-element work
+    (the logits sit in L2), and the second max. Each branch is its whole pass: a tensor carried out of the
+    branch costs the other one its speed (measured)."""
     pdl_wait(PDL)
     row = logits + tl.program_id(0).to(tl.int64) * stride
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # -inf past the vocabulary
     t = tl.load(temp)
-    z = _scaled(x, t)
-    m = tl.max(z, axis=0)
-    s = tl.sum(tl.exp(z - m), axis=0)
     idx = tl.program_id(0) * NB + tl.program_id(1)
-    tl.store(block_max + idx, m)
-    tl.store(block_sum + idx, tl.where(m == float("-inf"), 0.0, s))
-    if RAW_MAX:
-        if t == 1.0:  # z is x: its max is the one just taken
-            raw = m
-        else:
-            raw = tl.max(x, axis=0)
-        tl.store(block_raw_max + idx, raw)
+    if t == 1.0:
+        _store_block_stats(x, x, idx, block_max, block_sum, block_raw_max, RAW_MAX, True)
+    else:
+        _store_block_stats(x, x / t, idx, block_max, block_sum, block_raw_max, RAW_MAX, False)
 
 
 @triton.jit
@@ -78,7 +77,7 @@ def _pick_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, row_
     start = tl.where(found, blk, last_blk) * BLOCK
     lane = tl.arange(0, BLOCK)
     offs = start + lane
-    z = _scaled(tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+    z = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / t
     e = tl.where(offs < V, tl.exp(z - mx), 0.0)
     c = tl.where(found, before, last_before) + tl.cumsum(e, axis=0)
     first = tl.min(tl.where((c > target) & (e > 0), lane, BLOCK), axis=0)
