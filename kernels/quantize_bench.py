@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from minite import nvfp4 as ref
+from minite.telemetry import copy_bandwidth
 
 from . import _quantize_legacy as legacy
 from .checks import bits_differ, check_fused_quantizers, expert_gather, same_bits, same_nvfp4
@@ -43,14 +44,6 @@ class Case:
     old: Callable[[], object] | None     # the pre-fused path of the same trainer step
     check: Callable[[], tuple[bool, str]]
     nbytes: int                          # one pass: input read once + outputs written
-
-
-def copy_bandwidth(device, nbytes: int = 2 ** 30, repeats: int = 5) -> float:
-    """GB/s of a device-to-device ``copy_`` (bytes read + written)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = _time(lambda: b.copy_(a), iters=5, repeats=repeats)[0]
-    return 2 * nbytes / ms / 1e6
 
 
 def _time(fn, iters: int, repeats: int) -> tuple[float, float, float]:
@@ -184,7 +177,7 @@ def run(device: str = "cuda", repeats: int = 7, iters: int = 5, old: bool = True
     case once without timing: a smoke test of the bench itself."""
     dev = torch.device(device)
     timed = dev.type == "cuda"
-    bw = copy_bandwidth(dev) if timed else float("nan")
+    bw = copy_bandwidth(dev)["median"] if timed else float("nan")
     if timed:
         print(f"device {torch.cuda.get_device_name(dev)}: copy bandwidth {bw:.0f} GB/s", flush=True)
     sizes = {} if timed else dict(tokens=64, hidden=64, experts=4, inter=32)  # the interpreter: tiny

@@ -77,6 +77,17 @@ def test_timing_summary():
         timing_summary([])
 
 
+def test_copy_bandwidth_is_the_summary_of_repeated_copies(monkeypatch):
+    """Each timing covers ``iters`` copies of ``nbytes`` (read + written): with a host clock that advances 1 s
+    per timing, every sample is 2 nbytes iters / 1e9 GB/s."""
+    import minite.telemetry as T
+    clock = iter(range(100))
+    monkeypatch.setattr(T.time, "perf_counter", lambda: float(next(clock)))
+    t = T.copy_bandwidth("cpu", nbytes=1000, iters=3, repeats=4)
+    assert t["n"] == 4 and t["median"] == t["min"] == t["max"] == 2 * 1000 * 3 / 1e9 and t["spread"] == 0.0
+    assert T.copy_bandwidth("cpu", nbytes=1 << 20, repeats=3)["median"] > 0
+
+
 def test_gpu_busy_time_counts_overlapping_kernels_once():
     from minite.jobs.profiling import busy_ms
     # us: [0, 100) and [50, 150) overlap; [200, 250) apart; [210, 220) inside it

@@ -13,8 +13,8 @@ each in the form the arm's GEMM reads (BF16; NVFP4 codes + E4M3 block scales + f
 kernel path, or its fp16 copy at the batch sizes where the kernels read that, ``kernels.dense_weight_bytes``;
 the cached BF16 dequantization for the emulated path). The KV cache is not a weight and is
 reported apart. Roofline: tokens/s if every step only read those bytes at the copy bandwidth measured in the
-same run (a large device-to-device copy, read + write bytes over its time); roofline_frac = measured /
-roofline. Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same
+same run (``telemetry.copy_bandwidth``: the median of repeated timings of back-to-back 1 GiB device copies,
+read + write bytes over their time; its range is recorded beside it); roofline_frac = measured / roofline. Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same
 prompts, CUDA graphs as timed) under torch.profiler, its kernels and ops in a CSV (``minite.jobs.profiling``),
 and on the GPU one decode step's kernels in launch order with their own times in ``<CSV stem>.steps.csv``.
 """
@@ -30,6 +30,7 @@ import torch
 
 from minite import kernels
 from minite.jobs import common
+from minite.telemetry import copy_bandwidth
 
 log = logging.getLogger(__name__)
 
@@ -130,23 +131,6 @@ class StepTimer:
             torch.cuda.synchronize()
         return [(b[0], a[1].elapsed_time(b[1]) if self.cuda else (b[1] - a[1]) * 1e3)
                 for a, b in pairwise(self.marks)]
-
-
-def copy_bandwidth(device, nbytes: int | None = None, reps: int = 5) -> float:
-    """Bytes/s of a large device-to-device copy, counting the bytes read and written."""
-    dev = torch.device(device)
-    nbytes = nbytes or (1 << 30 if dev.type == "cuda" else 1 << 28)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        timer = StepTimer(dev.type == "cuda")
-        timer("start")
-        dst.copy_(src)
-        timer("end")
-        times.append(timer.intervals_ms()[0][1] / 1e3)
-    return 2 * nbytes / statistics.median(times)
 
 
 def _lin_bytes(lin, batch: int, tokens_f16: bool = False) -> int:
@@ -305,7 +289,8 @@ def measure(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int = 0
         mem_source = "peak process RSS (CPU run)"
     touched = experts_touched(sampler, out) if touched is None else touched
     wb = weight_bytes(sampler, batch, touched)
-    bw = copy_bandwidth(sampler.device)
+    bw_gbs = copy_bandwidth(sampler.device)
+    bw = bw_gbs["median"] * 1e9
     tok_s = batch * len(steps) / decode_s
     roof_step_s = wb["total"] / bw
     c = sampler.config
@@ -321,7 +306,8 @@ def measure(sampler, batch: int, prompt_len: int, new_tokens: int, seed: int = 0
         "weight_bytes_per_step": wb["total"], "weight_bytes_split": wb["split"],
         "experts_touched_per_step": touched,
         "kv_bytes_per_step_mean": batch * kv_token * (prompt_len + new_tokens / 2),
-        "copy_bandwidth_gbs": bw / 1e9, "roofline_step_ms": roof_step_s * 1e3,
+        "copy_bandwidth_gbs": bw / 1e9, "copy_bandwidth_range_gbs": [bw_gbs["min"], bw_gbs["max"]],
+        "roofline_step_ms": roof_step_s * 1e3,
         "roofline_tokens_per_s": batch / roof_step_s, "roofline_frac": tok_s / (batch / roof_step_s),
         "peak_mem_gb": peak, "peak_mem_source": mem_source,
         "ops_per_decode_step": count_step_ops(sampler, batch, prompt_len),
