@@ -41,9 +41,9 @@ def timing_summary(samples) -> dict:
 
 def copy_bandwidth(device, nbytes: int | None = None, iters: int | None = None, repeats: int = 11) -> dict:
     """GB/s of a device-to-device ``copy_`` (bytes read + written): ``timing_summary`` of ``repeats`` timings,
-    each of ``iters`` back-to-back copies of ``nbytes`` after one untimed copy. The roofline's denominator:
-    one timed copy of 1 GiB (~0.5 ms on an H200) moved by ~4% between runs of one job, several back to back
-    do not. CUDA: 1 GiB, 5 copies a timing (CUDA events); CPU: 64 MiB, 1 (the host clock)."""
+    each of ``iters`` back-to-back copies of ``nbytes`` after one untimed copy. The rollout roofline's
+    denominator: on an H200 single timed 1 GiB copies (~0.5 ms each) moved by ~3-4% from run to run, five back
+    to back by ~1-2%. CUDA: 1 GiB, 5 copies a timing (CUDA events); CPU: 64 MiB, 1 (the host clock)."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     nbytes = nbytes or (1 << 30 if cuda else 1 << 26)

@@ -14,9 +14,10 @@ kernel path, or its fp16 copy at the batch sizes where the kernels read that, ``
 the cached BF16 dequantization for the emulated path). The KV cache is not a weight and is
 reported apart. Roofline: tokens/s if every step only read those bytes at the copy bandwidth measured in the
 same run (``telemetry.copy_bandwidth``: the median of repeated timings of back-to-back 1 GiB device copies,
-read + write bytes over their time; its range is recorded beside it); roofline_frac = measured / roofline. Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same
-prompts, CUDA graphs as timed) under torch.profiler, its kernels and ops in a CSV (``minite.jobs.profiling``),
-and on the GPU one decode step's kernels in launch order with their own times in ``<CSV stem>.steps.csv``.
+read + write bytes over their time; its range is recorded beside it); roofline_frac = measured / roofline.
+Writes one JSON atomically, with provenance. ``--torch-profile CSV``: one more generate (the same prompts,
+CUDA graphs as timed) under torch.profiler, its kernels and ops in a CSV (``minite.jobs.profiling``), and on
+the GPU one decode step's kernels in launch order with their own times in ``<CSV stem>.steps.csv``.
 """
 from __future__ import annotations
 
