@@ -47,6 +47,8 @@ exact pure PyTorch on CPU.
         inverse-CDF sampling, one draw per row, CUDA-graph safe; two Triton passes without top_p.
     sample_tokens_with_max(logits, temperature, uniform, top_p=None, backend=None) -> ([B], [B] fp32)
         the same, and each row's max of the logits from the same read.
+    sample_tokens_with_log_softmax(logits, temperature, uniform, backend=None) -> ([B], log_softmax_rows(logits))
+        both at once, the same values; on CUDA the pick and the log-softmax's sums share one launch.
     log_softmax_rows(logits, backend=None, row_max=None) -> [B, V] | LogSoftmaxRows(logits, mx, logsum)
         torch.log_softmax(logits, -1), or (where its order is reproduced) just each row's max and log-sum;
         a given row max saves the statistics one read of the logits.
@@ -96,7 +98,8 @@ else:
                            quantize_weight_groups)
     from .attention import decode_attention, invariant_attention
     from .hp_gemm import invariant_gemm, invariant_gemm_parts, sum_parts
-    from .sampling import StepInputs, record_tokens, sample_tokens, sample_tokens_with_max, step_inputs
+    from .sampling import (StepInputs, record_tokens, sample_tokens, sample_tokens_with_log_softmax,
+                           sample_tokens_with_max, step_inputs)
     from .routing import route, route_parts
     from .log_softmax import LogSoftmaxRows, log_softmax_rows
     from . import fused_ops
@@ -107,5 +110,6 @@ else:
                "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
                "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
                "invariant_gemm_parts", "sum_parts", "route_parts",
-               "sample_tokens", "sample_tokens_with_max", "record_tokens", "step_inputs", "StepInputs", "route",
+               "sample_tokens", "sample_tokens_with_max", "sample_tokens_with_log_softmax", "record_tokens",
+               "step_inputs", "StepInputs", "route",
                "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]

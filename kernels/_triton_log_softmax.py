@@ -34,9 +34,9 @@ else:
 
 
 @triton.jit
-def _thread_ids(TS: tl.constexpr):
-    """torch's threads s TS .. (s + 1) TS - 1, s = program_id(1): the virtual threads this program runs."""
-    return tl.program_id(1) * TS + tl.arange(0, TS)
+def _thread_ids(s, TS: tl.constexpr):
+    """torch's threads s TS .. (s + 1) TS - 1: the virtual threads of part s."""
+    return s * TS + tl.arange(0, TS)
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _max_part_kernel(logits, stride, part_max, V, K: tl.constexpr, MAIN, TAIL: t
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
-    t = _thread_ids(TS)
+    t = _thread_ids(tl.program_id(1), TS)
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]      # thread t's float4 of a 4T chunk
     m = tl.full([TS, 4], float("-inf"), tl.float32)
     for k in tl.static_range(K):
@@ -60,23 +60,34 @@ def _max_part_kernel(logits, stride, part_max, V, K: tl.constexpr, MAIN, TAIL: t
 
 
 @triton.jit
-def _row_max(part_max, r, S: tl.constexpr):
-    return tl.max(tl.load(part_max + r * S + tl.arange(0, S)), axis=0)
+def _row_max(part_max, r, MP: tl.constexpr, MP_P2: tl.constexpr):
+    """Row r's max: of its MP entries of ``part_max`` (MP_P2: the power of two >= MP)."""
+    j = tl.arange(0, MP_P2)
+    return tl.max(tl.load(part_max + r * MP + j, mask=j < MP, other=float("-inf")), axis=0)
 
 
 @triton.jit
 def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K: tl.constexpr, MAIN, TAIL: tl.constexpr,
-                     T: tl.constexpr, TS: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row r, part s): each of its virtual threads' sum of exp(x - max) in torch's order (the float4
-    vectors, each one's four in order, then the tail), then each warp's shuffle tree; lane 0 of each of its
-    TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order). The max: of the row's MP
-    entries of ``part_max`` (the S parts' maxima, or a given row max: MP = 1)."""
+                     T: tl.constexpr, TS: tl.constexpr, MP: tl.constexpr, MP_P2: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """Program (row r, part s): ``sum_part``."""
     pdl_wait(PDL)
+    sum_part(logits, stride, part_max, warp_sums, V, tl.program_id(1), K, MAIN, TAIL, T, TS, MP, MP_P2)
+
+
+@triton.jit
+def sum_part(logits, stride, part_max, warp_sums, V, s, K: tl.constexpr, MAIN, TAIL: tl.constexpr,
+             T: tl.constexpr, TS: tl.constexpr, MP: tl.constexpr, MP_P2: tl.constexpr):
+    """Row r = program_id(0), part s: each of its virtual threads' sum of exp(x - max)
+    in torch's order (the float4 vectors, each one's four in order, then the tail), then each warp's shuffle
+    tree; lane 0 of each of its TS / 32 warps goes to ``warp_sums`` (the row's 32 warp sums, in warp order).
+    The max: of the row's MP entries of ``part_max`` (the S parts' maxima, a given row max: MP = 1, or any
+    maxima whose max is the row's, such as the sampler's block maxima)."""
     r = tl.program_id(0).to(tl.int64)
     row = logits + r * stride
-    t = _thread_ids(TS)
+    t = _thread_ids(s, TS)
     vec = t[:, None] * 4 + tl.arange(0, 4)[None, :]
-    mx = _row_max(part_max, r, MP)
+    mx = _row_max(part_max, r, MP, MP_P2)
     acc = tl.zeros([TS], tl.float32)
     for k in tl.static_range(K):
         e = _expf(tl.load(row + k * 4 * T + vec).to(tl.float32) - mx)
@@ -93,11 +104,12 @@ def _sum_part_kernel(logits, stride, part_max, warp_sums, V, K: tl.constexpr, MA
     w = tl.reshape(acc, [TS // 32, 32])
     col = tl.arange(0, 32)
     warps = tl.sum(tl.where(col[None, :] == 0, w, 0.0), axis=1)  # lane 0 of each warp, exactly
-    tl.store(warp_sums + r * 32 + tl.program_id(1) * (TS // 32) + tl.arange(0, TS // 32), warps)
+    tl.store(warp_sums + r * 32 + s * (TS // 32) + tl.arange(0, TS // 32), warps)
 
 
 @triton.jit
-def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr, PDL: tl.constexpr = False):
+def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr, MP_P2: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Row program_id(0): its max, and the log of its 32 warp sums added by the block's tree."""
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -105,5 +117,5 @@ def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr, PD
     warps = tl.load(warp_sums + r * 32 + col)
     for j in tl.static_range(5):
         warps = xor_step(warps, col, 16 >> j)
-    tl.store(mx_out + r, _row_max(part_max, r, MP))
+    tl.store(mx_out + r, _row_max(part_max, r, MP, MP_P2))
     tl.store(logsum_out + r, _logf(element(warps, col, 0)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_log_softmax import sum_part
 from ._triton_pdl import pdl_wait
 from ._triton_torch_order import element
 
@@ -48,13 +49,37 @@ def _block_stats_kernel(logits, stride, temp, block_max, block_sum, block_raw_ma
 @triton.jit
 def _pick_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, row_max, uniform, out, V, NB,
                  BLOCK: tl.constexpr, NB_P2: tl.constexpr, RAW_MAX: tl.constexpr, PDL: tl.constexpr = False):
-    """Pass 2, one program per row: the row's max M (of the block maxima), each block's sum rescaled to M
+    """Pass 2, one program per row: ``pick_row``."""
+    pdl_wait(PDL)
+    pick_row(logits, stride, temp, block_max, block_sum, block_raw_max, row_max, uniform, out, V, NB, BLOCK, NB_P2,
+             RAW_MAX)
+
+
+@triton.jit
+def _pick_sums_kernel(logits, stride, temp, block_max, block_sum, block_raw_max, uniform, out, warp_sums, V, NB,
+                      BLOCK: tl.constexpr, NB_P2: tl.constexpr, K: tl.constexpr, MAIN, TAIL: tl.constexpr,
+                      T: tl.constexpr, TS: tl.constexpr, PDL: tl.constexpr = False):
+    """Pass 2 and the log-softmax's sums of the same logits in one launch, side by side (both need only pass
+    1): program (row, 0) picks the row's token (``pick_row``; first, so that the GPU starts the longer programs
+    first), programs (row, 1 + s) are part s of the sum pass (``_triton_log_softmax.sum_part``, the row's max
+    from its blocks' raw maxima)."""
+    pdl_wait(PDL)
+    if tl.program_id(1) == 0:
+        pick_row(logits, stride, temp, block_max, block_sum, block_raw_max, block_raw_max, uniform, out, V, NB,
+                 BLOCK, NB_P2, False)
+    else:
+        sum_part(logits, stride, block_raw_max, warp_sums, V, tl.program_id(1) - 1, K, MAIN, TAIL, T, TS, NB, NB_P2)
+
+
+@triton.jit
+def pick_row(logits, stride, temp, block_max, block_sum, block_raw_max, row_max, uniform, out, V, NB,
+             BLOCK: tl.constexpr, NB_P2: tl.constexpr, RAW_MAX: tl.constexpr):
+    """Row program_id(0): the row's max M (of the block maxima), each block's sum rescaled to M
     (s exp(m - M)), the running sum before each block (a scan in a fixed order) and the total, the first
     block where the running sum passes draw x total (none can, when that product rounds up to the total:
     then the last block with mass, and its last token with mass), and inside it the token, by a cumulative
     sum of its exp(z - M). The blocks' values are one vector: no loop over blocks, no load per block.
     RAW_MAX: also the row's max of the logits (of its blocks' maxima: exact) into ``row_max``."""
-    pdl_wait(PDL)
     r = tl.program_id(0)
     row = logits + r.to(tl.int64) * stride
     t = tl.load(temp)

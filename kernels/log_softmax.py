@@ -81,6 +81,29 @@ def parts_per_row(rows: int, device) -> int:
     return s
 
 
+class SumLaunch(NamedTuple):
+    """The sum pass's launch over rows of V logits: S programs per row (``parts``), the K float4 chunks of the
+    row's main part (``main`` elements), and the kernel's shape arguments."""
+    parts: int
+    k: int
+    main: int
+    shape: dict
+
+
+def sum_launch(b: int, v: int, device, parts: int | None = None) -> SumLaunch:
+    s = parts or parts_per_row(b, device)
+    if s not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"parts must be a power of two in 1 .. 32, got {s}")
+    ts = THREADS // s
+    main = v - v % (ILP * THREADS)
+    shape = dict(TAIL=-(-(v - main) // THREADS), T=THREADS, TS=ts, num_warps=max(1, min(8, ts // 32)))
+    return SumLaunch(s, main // (ILP * THREADS), main, shape)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: torch.Tensor | None = None
                       ) -> LogSoftmaxRows:
     """The Triton kernels (``_triton_log_softmax``): S = ``parts`` programs per row (default
@@ -88,7 +111,7 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: t
     depend on S. ``row_max`` (fp32 [B], each row's max of the logits, which is exact in any order, e.g. from
     the sampler's pass over the same logits): one read, the max pass skipped. ``logits``: of a WIDENED dtype,
     rows of unit stride."""
-    from ._triton_log_softmax import _finish_kernel, _max_part_kernel, _sum_part_kernel
+    from ._triton_log_softmax import _max_part_kernel, _sum_part_kernel
 
     if logits.dim() != 2 or logits.dtype not in WIDENED or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [B, V] rows of unit stride in one of {WIDENED}, got {logits.dtype} "
@@ -98,14 +121,8 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: t
     mx = torch.empty(b, device=dev, dtype=torch.float32)
     logsum = torch.empty_like(mx)
     if b:
-        s = parts or parts_per_row(b, dev)
-        if s not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"parts must be a power of two in 1 .. 32, got {s}")
-        ts = THREADS // s
-        main = v - v % (ILP * THREADS)
+        s, k, main, shape = sum_launch(b, v, dev, parts)
         warp_sums = torch.empty(b, 32, device=dev, dtype=torch.float32)
-        shape = dict(TAIL=-(-(v - main) // THREADS), T=THREADS, TS=ts, num_warps=max(1, min(8, ts // 32)))
-        k = main // (ILP * THREADS)
         if row_max is None:
             part_max = torch.empty(b, s, device=dev, dtype=torch.float32)
             _max_part_kernel[(b, s)](logits, logits.stride(0), part_max, v, k, main, **shape,
@@ -116,11 +133,21 @@ def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: t
                                  f"{tuple(row_max.shape)} on {row_max.device}")
             part_max = row_max.contiguous()
         mp = part_max.numel() // b
-        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, MP=mp, **shape,
-                                 **_backend.pdl_meta(_sum_part_kernel, dev))
-        _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, MP=mp, num_warps=1,
-                             **_backend.pdl_meta(_finish_kernel, dev))
+        _sum_part_kernel[(b, s)](logits, logits.stride(0), part_max, warp_sums, v, k, main, MP=mp, MP_P2=mp,
+                                 **shape, **_backend.pdl_meta(_sum_part_kernel, dev))
+        finish_stats(part_max, warp_sums, mx, logsum)
     return LogSoftmaxRows(logits, mx, logsum)
+
+
+def finish_stats(part_max: torch.Tensor, warp_sums: torch.Tensor, mx: torch.Tensor, logsum: torch.Tensor) -> None:
+    """The statistics' last pass: each row's max (of its maxima in ``part_max`` [B, n]) and the log of its 32
+    warp sums added by the block's tree, into mx / logsum [B]."""
+    from ._triton_log_softmax import _finish_kernel
+
+    b = warp_sums.shape[0]
+    mp = part_max.numel() // b
+    _finish_kernel[(b,)](part_max, warp_sums, mx, logsum, MP=mp, MP_P2=pow2_at_least(mp), num_warps=1,
+                         **_backend.pdl_meta(_finish_kernel, mx.device))
 
 
 def covered(logits: torch.Tensor) -> bool:
@@ -146,7 +173,12 @@ def _probe_ok(v: int, device, dtype: torch.dtype) -> bool:
 def log_softmax_rows(logits: torch.Tensor, backend: str | None = None, row_max: torch.Tensor | None = None):
     """See the module docstring: the statistics on CUDA where covered and probed, else the full log-softmax
     (fp32). ``row_max``: each row's max of the logits, if known (``log_softmax_stats``)."""
-    if (logits.device.type == "cuda" and _backend.resolve(backend, logits.device) == "triton"
-            and covered(logits) and _probe_ok(logits.shape[1], logits.device, logits.dtype)):
+    if stats_run(logits, backend):
         return log_softmax_stats(logits, row_max=row_max)
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def stats_run(logits: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether ``log_softmax_rows`` gives these logits' statistics (CUDA, covered, probed) or torch's result."""
+    return (logits.device.type == "cuda" and _backend.resolve(backend, logits.device) == "triton"
+            and covered(logits) and _probe_ok(logits.shape[1], logits.device, logits.dtype))

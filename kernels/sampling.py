@@ -21,6 +21,10 @@ the last bits: where a draw lands within that rounding of a boundary the two may
 Both are exact inverse-CDF samplers of the same distribution up to fp32 rounding; the tests check each
 kernel token against a float64 CDF.
 
+    sample_tokens_with_log_softmax(logits, temperature, uniform, backend=None) -> ([B], log-softmax)
+        ``sample_tokens`` and ``log_softmax_rows`` of the same logits, the same values; on CUDA the token's
+        pick and the log-softmax's sum pass share one launch (both need only the sampler's first pass).
+
     record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens,
                   advance=None, backend=None)
         The decode step's bookkeeping for rows i < B, in one launch on CUDA (about ten small PyTorch ops,
@@ -44,10 +48,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import _backend
+from . import _backend, log_softmax
 from .log_softmax import WIDENED, LogSoftmaxRows
 
 BLOCK = 4096      # logits per block: 37 blocks of a 151,936-id vocabulary, one 16 KB read per pass and block
+PICK_SUMS_MIN_WARPS = 4  # the fused pick's program holds a block of BLOCK logits: at least 4 warps for it
 
 
 def sample_tokens_reference(logits: torch.Tensor, temperature, uniform: torch.Tensor, top_p=None) -> torch.Tensor:
@@ -83,8 +88,40 @@ def sample_tokens_with_max(logits: torch.Tensor, temperature, uniform: torch.Ten
     return _triton_sample(logits, temperature, uniform, row_max)
 
 
-def _triton_sample(logits, temperature, uniform, row_max: bool = False):
-    from ._triton_sampling import _block_stats_kernel, _pick_kernel
+def sample_tokens_with_log_softmax(logits: torch.Tensor, temperature, uniform: torch.Tensor,
+                                   backend: str | None = None):
+    """(``sample_tokens``, ``log_softmax_rows``) of the same logits (no top_p), the same values as the two
+    calls. Where both run their Triton kernels, the log-softmax's sum pass and the token's pick, which each
+    need only the sampler's first pass, run side by side in one launch (``_pick_sums_kernel``), the sums
+    taking the row's max from the first pass's block maxima: one launch and one wait fewer per decode step."""
+    fused = (logits.dim() == 2 and uniform.shape == logits.shape[:1] and logits.shape[0] > 0
+             and _backend.resolve(backend, logits.device) == "triton" and log_softmax.covered(logits)
+             and (logits.device.type != "cuda" or log_softmax.stats_run(logits, backend)))  # CPU: the interpreter
+    if not fused:
+        tok, mx = sample_tokens_with_max(logits, temperature, uniform, None, backend)
+        return tok, log_softmax.log_softmax_rows(logits, backend, row_max=mx)
+    from ._triton_sampling import _pick_sums_kernel
+
+    x, t, u, out, stats = _first_pass(logits, temperature, uniform, True)
+    b, v = x.shape
+    block_max, block_sum, raw, nb, nb_p2 = stats
+    s, k, main, shape = log_softmax.sum_launch(b, v, x.device)
+    warp_sums = torch.empty(b, 32, device=x.device, dtype=torch.float32)
+    shape["num_warps"] = max(shape["num_warps"], PICK_SUMS_MIN_WARPS)  # the sums' bits do not depend on it
+    _pick_sums_kernel[(b, s + 1)](x, x.stride(0), t, block_max, block_sum, raw, u, out, warp_sums, v, nb,
+                                  BLOCK=BLOCK, NB_P2=nb_p2, K=k, MAIN=main, **shape,
+                                  **_backend.pdl_meta(_pick_sums_kernel, x.device))
+    mx = torch.empty(b, device=x.device, dtype=torch.float32)
+    logsum = torch.empty_like(mx)
+    log_softmax.finish_stats(raw, warp_sums, mx, logsum)
+    return out, LogSoftmaxRows(logits, mx, logsum)
+
+
+def _first_pass(logits, temperature, uniform, row_max: bool):
+    """The sampler's operands (x: logits of a WIDENED dtype, unit column stride; t [1] and u [B] fp32; out [B])
+    and its first pass's block statistics (block maxima, sums, raw maxima, their count and its power of two
+    at least 2)."""
+    from ._triton_sampling import _block_stats_kernel
 
     b, v = logits.shape
     x = logits if logits.dtype in WIDENED else logits.float()
@@ -94,15 +131,24 @@ def _triton_sample(logits, temperature, uniform, row_max: bool = False):
     t = t.to(device=x.device, dtype=torch.float32).reshape(1)
     u = uniform.to(torch.float32).contiguous()
     out = torch.empty(b, dtype=torch.int64, device=x.device)
-    mx = torch.empty(b, dtype=torch.float32, device=x.device) if row_max else None
+    nb = -(-v // BLOCK)
+    nb_p2 = max(2, 1 << (nb - 1).bit_length())
+    block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
+    block_sum = torch.empty_like(block_max)
+    raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder (and row_max's) when not written
     if b:
-        nb = -(-v // BLOCK)
-        nb_p2 = max(2, 1 << (nb - 1).bit_length())
-        block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
-        block_sum = torch.empty_like(block_max)
-        raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder (and row_max's) when not written
         _block_stats_kernel[(b, nb)](x, x.stride(0), t, block_max, block_sum, raw, v, nb, BLOCK=BLOCK,
                                      RAW_MAX=row_max, num_warps=8, **_backend.pdl_meta(_block_stats_kernel, x.device))
+    return x, t, u, out, (block_max, block_sum, raw, nb, nb_p2)
+
+
+def _triton_sample(logits, temperature, uniform, row_max: bool = False):
+    from ._triton_sampling import _pick_kernel
+
+    x, t, u, out, (block_max, block_sum, raw, nb, nb_p2) = _first_pass(logits, temperature, uniform, row_max)
+    b, v = x.shape
+    mx = torch.empty(b, dtype=torch.float32, device=x.device) if row_max else None
+    if b:
         _pick_kernel[(b,)](x, x.stride(0), t, block_max, block_sum, raw, mx if row_max else raw, u, out, v, nb,
                            BLOCK=BLOCK, NB_P2=nb_p2, RAW_MAX=row_max, num_warps=8,
                            **_backend.pdl_meta(_pick_kernel, x.device))

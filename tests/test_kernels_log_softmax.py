@@ -136,3 +136,25 @@ def test_gpu_statistics_are_torchs_log_softmax():
                 assert isinstance(got, L.LogSoftmaxRows), _probe.verdicts("('log_softmax_rows'")
                 assert torch.equal(got.full(), torch.log_softmax(x.float(), -1))
                 assert torch.equal(L.log_softmax_stats_emulated(x).logsum, got.logsum)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 0.7), (torch.bfloat16, 1.0)])
+def test_pick_and_sums_in_one_launch_give_both_calls_values(device, dtype, temperature):
+    """``sample_tokens_with_log_softmax``: the token of ``sample_tokens`` and the statistics of
+    ``log_softmax_stats`` (the sums' max taken from the first pass's block maxima), bit for bit; where the
+    statistics do not run (torch's backend) the same calls' results."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rows, v = (3, L.SMEM_MIN + 400) if device == "cpu" else (64, 151936)
+    x = _logits(rows, v, 11, device).to(dtype)
+    x[1, 7] = 1e3  # an outlier in a block of its own
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(3)).to(device)
+    tok, logp = S.sample_tokens_with_log_softmax(x, temperature, u, backend="triton")
+    assert torch.equal(tok, S.sample_tokens(x, temperature, u, backend="triton"))
+    want = L.log_softmax_stats_emulated(x) if device == "cpu" else L.log_softmax_rows(x)
+    assert isinstance(logp, L.LogSoftmaxRows) and logp.logits is x
+    assert torch.equal(logp.mx, want.mx) and torch.equal(logp.logsum, want.logsum)
+    tok_t, logp_t = S.sample_tokens_with_log_softmax(x.cpu(), temperature, u.cpu(), backend="torch")
+    assert torch.equal(tok_t, S.sample_tokens(x.cpu(), temperature, u.cpu(), backend="torch"))
+    assert torch.equal(logp_t, torch.log_softmax(x.cpu().float(), -1))

@@ -261,18 +261,20 @@ class Sampler:
         input: ids = token, pos = nxt). ``cells``: the tables' (token, draw) at (slots, nxt), if read already."""
         st = self._state
         forced, draw = cells if cells is not None else (None, None)
-        row_max = None  # each row's max of the logits, where sampling read them anyway
-        if mode == "score":
-            tok = st.tokens[slots, nxt] if forced is None else forced
-        elif mode == "greedy":
-            tok = logits.argmax(dim=-1)  # widening does not change the order
-        else:
-            tok, row_max = ops.sample_tokens_with_max(logits, st.temperature, st.top_p if mode == "top_p" else None,
-                                                      st.uniform[slots, nxt] if draw is None else draw)
         # the trainer's fp32 log-softmax bits, as torch's [B, V] result or (where reproduced) its rows'
         # statistics; the logits stay in the model's dtype, the kernels widen them as they read
-        st.emit(tok, kernels.log_softmax_rows(logits, row_max=row_max), slots, nxt, write_tokens=mode != "score",
-                advance=advance)
+        if mode in ("score", "greedy"):
+            # (the argmax of the model's dtype: widening does not change the order)
+            tok = logits.argmax(dim=-1) if mode == "greedy" else (st.tokens[slots, nxt] if forced is None else forced)
+            logp = kernels.log_softmax_rows(logits)
+        else:
+            u = st.uniform[slots, nxt] if draw is None else draw
+            if mode == "top_p":  # each row's max of the logits from the sampler's read, for the statistics
+                tok, row_max = ops.sample_tokens_with_max(logits, st.temperature, st.top_p, u)
+                logp = kernels.log_softmax_rows(logits, row_max=row_max)
+            else:  # the token's pick and the statistics' sums in one launch
+                tok, logp = ops.sample_tokens_with_log_softmax(logits, st.temperature, u)
+        st.emit(tok, logp, slots, nxt, write_tokens=mode != "score", advance=advance)
         return tok
 
     def _decode_step(self, b: int, mode: str, capture=None) -> None:

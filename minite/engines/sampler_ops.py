@@ -340,3 +340,10 @@ def sample_tokens_with_max(logits: torch.Tensor, temperature, top_p, uniform: to
     (``minite.kernels.sample_tokens_with_max``: Triton kernels on CUDA without top_p, else the PyTorch
     reference). ``temperature`` (> 0) and ``top_p`` (None = 1): numbers or 0-dim device tensors."""
     return kernels.sample_tokens_with_max(logits, temperature, uniform, top_p)
+
+
+def sample_tokens_with_log_softmax(logits: torch.Tensor, temperature, uniform: torch.Tensor):
+    """(token ids [B], the logits' log-softmax: ``kernels.log_softmax_rows``'s result) without top_p, the values
+    of ``sample_tokens_with_max`` and that call; on CUDA the token's pick and the log-softmax's sums share one
+    launch (``minite.kernels.sample_tokens_with_log_softmax``)."""
+    return kernels.sample_tokens_with_log_softmax(logits, temperature, uniform)
