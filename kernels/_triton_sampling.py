@@ -138,17 +138,34 @@ def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, lo
 
 @triton.jit
 def _step_inputs_kernel(pos, slots, tokens, uniform, tab_stride, slot_ids, seq_lens, nxt, forced, draw, B, max_pos,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Rows of block program_id(0) of ``sampling.step_inputs``: integer moves, a min and two table reads."""
+                        ids, embed, e_stride, hidden, H, table, t_stride, rows, R, BLOCK: tl.constexpr,
+                        HB: tl.constexpr = 1, RB: tl.constexpr = 1, EMBED: tl.constexpr = False,
+                        TABLE: tl.constexpr = False, PDL: tl.constexpr = False):
+    """``sampling.step_inputs``: programs 0 .. cdiv(B, BLOCK) - 1 the per-row inputs of a block of rows (integer
+    moves, a min and two table reads); then (EMBED or TABLE) one program per row r for its gathers: the
+    embedding row of token ids[r] into hidden[r] (HB >= H) and row pos[r] of ``table`` into rows[r] (RB >= R),
+    copies."""
     pdl_wait(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < B
-    p = tl.load(pos + i, mask=m, other=0)
-    s = tl.load(slots + i, mask=m, other=0)
-    n = tl.minimum(p + 1, max_pos)
-    cell = s * tab_stride + n
-    tl.store(slot_ids + i, s.to(tl.int32), mask=m)
-    tl.store(seq_lens + i, (p + 1).to(tl.int32), mask=m)
-    tl.store(nxt + i, n, mask=m)
-    tl.store(forced + i, tl.load(tokens + cell, mask=m, other=0), mask=m)
-    tl.store(draw + i, tl.load(uniform + cell, mask=m, other=0.0), mask=m)
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(B, BLOCK)
+    if pid < blocks:
+        i = pid * BLOCK + tl.arange(0, BLOCK)
+        m = i < B
+        p = tl.load(pos + i, mask=m, other=0)
+        s = tl.load(slots + i, mask=m, other=0)
+        n = tl.minimum(p + 1, max_pos)
+        cell = s * tab_stride + n
+        tl.store(slot_ids + i, s.to(tl.int32), mask=m)
+        tl.store(seq_lens + i, (p + 1).to(tl.int32), mask=m)
+        tl.store(nxt + i, n, mask=m)
+        tl.store(forced + i, tl.load(tokens + cell, mask=m, other=0), mask=m)
+        tl.store(draw + i, tl.load(uniform + cell, mask=m, other=0.0), mask=m)
+    else:
+        r = (pid - blocks).to(tl.int64)
+        if EMBED:
+            c = tl.arange(0, HB)
+            tok = tl.load(ids + r)
+            tl.store(hidden + r * H + c, tl.load(embed + tok * e_stride + c, mask=c < H), mask=c < H)
+        if TABLE:
+            c = tl.arange(0, RB)
+            tl.store(rows + r * R + c, tl.load(table + tl.load(pos + r) * t_stride + c, mask=c < R), mask=c < R)

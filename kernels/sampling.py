@@ -40,7 +40,9 @@ kernel token against a float64 CDF.
         (``step_inputs_reference``: the same as small PyTorch ops): ``slot_ids`` = slots and ``seq_lens`` = pos + 1
         as int32 (the decode attention's), ``nxt`` = min(pos + 1, max_pos) (where the step's token goes), and
         the tables' cells there: ``forced`` = tokens[slots, nxt] (the teacher-forced token when scoring) and
-        ``draw`` = uniform[slots, nxt] (the uniform draw that picks a sampled token). Copies only.
+        ``draw`` = uniform[slots, nxt] (the uniform draw that picks a sampled token); with ``embed`` / ``ids`` /
+        ``table`` also ``hidden`` = embed[ids] and ``rows`` = table[pos] (the step's embedding and rotary rows:
+        no gather launches of their own). Copies only.
 """
 from __future__ import annotations
 
@@ -199,30 +201,51 @@ class StepInputs(NamedTuple):
     nxt: torch.Tensor       # [B] int64
     forced: torch.Tensor    # [B] int64
     draw: torch.Tensor      # [B] fp32
+    hidden: torch.Tensor | None = None  # [B, H]: embed[ids] (asked with ``embed``)
+    rows: torch.Tensor | None = None    # [B, *table.shape[1:]]: table[pos] (asked with ``table``)
 
 
-def step_inputs_reference(pos, slots, tokens, uniform, max_pos: int) -> StepInputs:
+def step_inputs_reference(pos, slots, tokens, uniform, max_pos: int, embed=None, ids=None, table=None) -> StepInputs:
     nxt = (pos + 1).clamp_max(max_pos)
-    return StepInputs(slots.to(torch.int32), (pos + 1).to(torch.int32), nxt, tokens[slots, nxt], uniform[slots, nxt])
+    return StepInputs(slots.to(torch.int32), (pos + 1).to(torch.int32), nxt, tokens[slots, nxt], uniform[slots, nxt],
+                      None if embed is None else embed[ids], None if table is None else table[pos])
 
 
-def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None = None) -> StepInputs:
-    """See the module docstring."""
+def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None = None, embed=None, ids=None,
+                table=None) -> StepInputs:
+    """See the module docstring. ``embed`` [V, H] and ``ids`` [B] (int64): also ``hidden`` = embed[ids] (the
+    decode step's embedding); ``table`` [P, ...]: also ``rows`` = table[pos] (its rotary rows): the same launch
+    copies them, two launches fewer per step."""
     b = pos.shape[0]
     ok = (_backend.resolve(backend, pos.device) == "triton" and pos.dtype == slots.dtype == tokens.dtype == torch.int64
           and uniform.dtype == torch.float32 and slots.shape == (b,) and pos.is_contiguous() and slots.is_contiguous()
-          and tokens.is_contiguous() and uniform.is_contiguous() and tokens.shape == uniform.shape)
+          and tokens.is_contiguous() and uniform.is_contiguous() and tokens.shape == uniform.shape
+          and (embed is None or (embed.dim() == 2 and embed.stride(1) == 1 and ids.shape == (b,)
+                                 and ids.dtype == torch.int64 and ids.is_contiguous()))
+          and (table is None or table.is_contiguous()))
     if not ok:
-        return step_inputs_reference(pos, slots, tokens, uniform, max_pos)
+        return step_inputs_reference(pos, slots, tokens, uniform, max_pos, embed, ids, table)
     from ._triton_sampling import _step_inputs_kernel
 
     dev = pos.device
+    hidden = torch.empty(b, embed.shape[1], dtype=embed.dtype, device=dev) if embed is not None else None
+    rows = torch.empty(b, *table.shape[1:], dtype=table.dtype, device=dev) if table is not None else None
     out = StepInputs(torch.empty(b, dtype=torch.int32, device=dev), torch.empty(b, dtype=torch.int32, device=dev),
                      torch.empty(b, dtype=torch.int64, device=dev), torch.empty(b, dtype=torch.int64, device=dev),
-                     torch.empty(b, dtype=torch.float32, device=dev))
+                     torch.empty(b, dtype=torch.float32, device=dev), hidden, rows)
     if b:
         block = 256
-        _step_inputs_kernel[(-(-b // block),)](pos, slots, tokens, uniform, tokens.stride(0), *out, b, int(max_pos),
-                                               BLOCK=block, num_warps=4,
-                                               **_backend.pdl_meta(_step_inputs_kernel, pos.device))
+        # (pointer, stride and width arguments; pos stands in for an absent tensor, which is never read)
+        e_args = (ids, embed, embed.stride(0), hidden, embed.shape[1]) if embed is not None else (pos, pos, 0, pos, 1)
+        r = table[0].numel() if table is not None else 1
+        t_args = (table, r, rows, r) if table is not None else (pos, 0, pos, 1)
+        blocks = -(-b // block) + (b if embed is not None or table is not None else 0)
+        _step_inputs_kernel[(blocks,)](pos, slots, tokens, uniform, tokens.stride(0), *out[:5], b, int(max_pos),
+                                       *e_args, *t_args, BLOCK=block, HB=_pow2(e_args[4]), RB=_pow2(r),
+                                       EMBED=embed is not None, TABLE=table is not None, num_warps=4,
+                                       **_backend.pdl_meta(_step_inputs_kernel, pos.device))
     return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -160,7 +160,17 @@ def test_step_inputs_kernel_equals_the_reference(device, b):
     pos = pos.to(device)
     ref = S.step_inputs_reference(pos, slots, tokens, uniform, width - 1)
     out = S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="triton")
-    for r, o in zip(ref, out, strict=True):
+    assert out.hidden is None and out.rows is None
+    for r, o in zip(ref[:5], out[:5], strict=True):
         assert o.dtype == r.dtype and torch.equal(o, r)
     assert int(out.nxt[0]) == width - 1 and int(out.seq_lens[0]) == width
+    # with the step's gathers: its embedding rows (a width that is no power of two) and its rotary rows
+    embed = torch.randn(1000, 96, generator=g).to(device, torch.bfloat16)
+    ids = torch.randint(0, 1000, (b,), generator=g).to(device)
+    table = torch.randn(width, 2, 8, generator=g).to(device, torch.bfloat16)
+    ref = S.step_inputs_reference(pos, slots, tokens, uniform, width - 1, embed, ids, table)
+    out = S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="triton", embed=embed, ids=ids, table=table)
+    for r, o in zip(ref, out, strict=True):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+    assert torch.equal(out.hidden, torch.nn.functional.embedding(ids, embed)) and out.rows.shape == (b, 2, 8)
     assert S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="torch").draw.dtype == torch.float32

@@ -208,14 +208,15 @@ class Sampler:
         # the k-sum left to the next norm, which takes it in its own pass (a tensor for any other reader)
         return ops.moe(x2, lw.experts, weights, idx, self.recipe, calib, valid, codes=codes, deferred_shape=(b, t, h))
 
-    def _layers(self, ids, pos, slots, decode=None, capture=None, calib=None, valid=None):
+    def _layers(self, ids, pos, slots, decode=None, capture=None, calib=None, valid=None, inputs=None):
         """ids [B, T] at positions pos [B, T] of cache slots [B] -> (residual stream, last block's output)
         [B, T, H], before the final norm (the output: a tensor, or the experts' ``RoutedRows`` with their k-sum
-        left to that norm). ``capture(layer, op, positions, tensor)``: module docstring."""
+        left to that norm). ``capture(layer, op, positions, tensor)``: module docstring. ``inputs``: (the
+        embedding of ids, its rotary tables or None), where already gathered."""
         w = self.weights
         mode = self.recipe.non_gemm
-        h = F.embedding(ids, w.embed)
-        rope = self.rotary.tables(pos, h.dtype)
+        h, rope = inputs if inputs is not None else (F.embedding(ids, w.embed), None)
+        rope = rope if rope is not None else self.rotary.tables(pos, h.dtype)
         pending = None  # the last block's output, added into the next norm (fused add + norm)
         for li, lw in enumerate(w.layers):
             def cap(op, tensor, _li=li):  # tensor: a tensor, or a function making it (only when capturing)
@@ -283,8 +284,13 @@ class Sampler:
         st = self._state
         ids, pos, slots = st.ids[:b], st.pos[:b], st.slots[:b]
         at = pos[:, None]
-        inp = kernels.step_inputs(pos, slots, st.tokens, st.uniform, self.max_seq_len - 1)  # one launch
-        h, pend = self._layers(ids[:, None], at, slots, (inp.slot_ids, inp.seq_lens), capture)
+        # one launch: the step's inputs, its embedding and its rotary rows (where a table holds them)
+        table = self.rotary.gather_table(self.weights.embed.dtype)
+        inp = kernels.step_inputs(pos, slots, st.tokens, st.uniform, self.max_seq_len - 1, embed=self.weights.embed,
+                                  ids=ids, table=table)
+        rope = None if table is None else (inp.rows[:, None, 0], inp.rows[:, None, 1])
+        h, pend = self._layers(ids[:, None], at, slots, (inp.slot_ids, inp.seq_lens), capture,
+                               inputs=(inp.hidden[:, None], rope))
         logits = self._logits(h, pend)  # in the model's dtype: half the bytes of fp32 for the tail to read
         if capture is not None:
             capture(-1, "logits", at, logits[:, None])

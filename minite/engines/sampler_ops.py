@@ -118,6 +118,11 @@ class Rotary:
             return self.hf(torch.empty(0, dtype=dtype, device=positions.device), positions)
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
+    def gather_table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[max_positions, 2, D] whose rows at positions [B] are ``tables``' (cos, sin) for positions [B, 1]
+        (``hf_table``), or None where ``tables`` computes them otherwise."""
+        return self.hf_table(dtype) if self._tabled else None
+
     def hf_table(self, dtype: torch.dtype) -> torch.Tensor:
         """[max_positions, 2, D]: transformers' cos and sin of every position, by its own module, once per
         dtype. A position's row does not depend on which positions share the call (an inv_freq x position
