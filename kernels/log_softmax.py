@@ -101,7 +101,8 @@ def sum_launch(b: int, v: int, device, parts: int | None = None) -> SumLaunch:
 
 
 def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    """The least power of two >= n (1 for n <= 1): a Triton block width."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def log_softmax_stats(logits: torch.Tensor, parts: int | None = None, row_max: torch.Tensor | None = None

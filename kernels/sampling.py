@@ -134,7 +134,7 @@ def _first_pass(logits, temperature, uniform, row_max: bool):
     u = uniform.to(torch.float32).contiguous()
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     nb = -(-v // BLOCK)
-    nb_p2 = max(2, 1 << (nb - 1).bit_length())
+    nb_p2 = max(2, log_softmax.pow2_at_least(nb))
     block_max = torch.empty(b, nb, dtype=torch.float32, device=x.device)
     block_sum = torch.empty_like(block_max)
     raw = torch.empty_like(block_max) if row_max else block_max  # a placeholder (and row_max's) when not written
@@ -216,6 +216,8 @@ def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None =
     """See the module docstring. ``embed`` [V, H] and ``ids`` [B] (int64): also ``hidden`` = embed[ids] (the
     decode step's embedding); ``table`` [P, ...]: also ``rows`` = table[pos] (its rotary rows): the same launch
     copies them, two launches fewer per step."""
+    if (embed is None) != (ids is None):
+        raise ValueError("step_inputs: embed and ids come together (the embedding of the step's tokens)")
     b = pos.shape[0]
     ok = (_backend.resolve(backend, pos.device) == "triton" and pos.dtype == slots.dtype == tokens.dtype == torch.int64
           and uniform.dtype == torch.float32 and slots.shape == (b,) and pos.is_contiguous() and slots.is_contiguous()
@@ -241,11 +243,9 @@ def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None =
         t_args = (table, r, rows, r) if table is not None else (pos, 0, pos, 1)
         blocks = -(-b // block) + (b if embed is not None or table is not None else 0)
         _step_inputs_kernel[(blocks,)](pos, slots, tokens, uniform, tokens.stride(0), *out[:5], b, int(max_pos),
-                                       *e_args, *t_args, BLOCK=block, HB=_pow2(e_args[4]), RB=_pow2(r),
+                                       *e_args, *t_args, BLOCK=block, HB=log_softmax.pow2_at_least(e_args[4]),
+                                       RB=log_softmax.pow2_at_least(r),
                                        EMBED=embed is not None, TABLE=table is not None, num_warps=4,
                                        **_backend.pdl_meta(_step_inputs_kernel, pos.device))
     return out
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -173,4 +173,6 @@ def test_step_inputs_kernel_equals_the_reference(device, b):
     for r, o in zip(ref, out, strict=True):
         assert o.dtype == r.dtype and torch.equal(o, r)
     assert torch.equal(out.hidden, torch.nn.functional.embedding(ids, embed)) and out.rows.shape == (b, 2, 8)
+    with pytest.raises(ValueError, match="embed and ids"):
+        S.step_inputs(pos, slots, tokens, uniform, width - 1, embed=embed)
     assert S.step_inputs(pos, slots, tokens, uniform, width - 1, backend="torch").draw.dtype == torch.float32
