@@ -111,8 +111,9 @@ class Rotary:
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """(cos, sin) for positions [B, T]: made once per forward, shared by every layer. "hf": rows of
         transformers' own tables, [B, T, D] in ``dtype`` (q's); "vllm": rows of the fp32 cache, [B, 1, T, D]."""
-        if self._tabled:
-            both = self.hf_table(dtype)[positions]            # one gather for both: [B, T, 2, D]
+        table = self.gather_table(dtype)
+        if table is not None:
+            both = table[positions]                           # one gather for both: [B, T, 2, D]
             return both[..., 0, :], both[..., 1, :]
         if self.mode == "hf":
             return self.hf(torch.empty(0, dtype=dtype, device=positions.device), positions)
