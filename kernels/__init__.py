@@ -48,7 +48,8 @@ exact pure PyTorch on CPU.
     sample_tokens_with_max(logits, temperature, uniform, top_p=None, backend=None) -> ([B], [B] fp32)
         the same, and each row's max of the logits from the same read.
     sample_tokens_with_log_softmax(logits, temperature, uniform, backend=None) -> ([B], log_softmax_rows(logits))
-        both at once, the same values; on CUDA the pick and the log-softmax's sums share one launch.
+        both at once, the same values; on CUDA the pick and the log-softmax's sums share one launch, and the
+        statistics come as ``LogSoftmaxParts`` (before their last pass, which record_tokens takes).
     log_softmax_rows(logits, backend=None, row_max=None) -> [B, V] | LogSoftmaxRows(logits, mx, logsum)
         torch.log_softmax(logits, -1), or (where its order is reproduced) just each row's max and log-sum;
         a given row max saves the statistics one read of the logits.
@@ -101,7 +102,7 @@ else:
     from .sampling import (StepInputs, record_tokens, sample_tokens, sample_tokens_with_log_softmax,
                            sample_tokens_with_max, step_inputs)
     from .routing import route, route_parts
-    from .log_softmax import LogSoftmaxRows, log_softmax_rows
+    from .log_softmax import LogSoftmaxParts, LogSoftmaxRows, log_softmax_rows
     from . import fused_ops
 
     __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
@@ -112,4 +113,4 @@ else:
                "invariant_gemm_parts", "sum_parts", "route_parts",
                "sample_tokens", "sample_tokens_with_max", "sample_tokens_with_log_softmax", "record_tokens",
                "step_inputs", "StepInputs", "route",
-               "log_softmax_rows", "LogSoftmaxRows", "fused_ops"]
+               "log_softmax_rows", "LogSoftmaxRows", "LogSoftmaxParts", "fused_ops"]

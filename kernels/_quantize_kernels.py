@@ -175,13 +175,13 @@ def _cast_kernel(x_ptr, gather_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, g
         inside = (rows3 < R) & (cols3 < C)
         wv = tl.load(w_ptr + cols3, mask=cols3 < C, other=0.0)
         if NORM_J != 0:  # the mean square here (one row per program, C = 128 NORM_J, unit column stride)
+            if NORM_RES:  # before the combine, which it does not wait for
+                rv = tl.load(res_ptr + rows3.to(tl.int64) * stride_rr + cols3, mask=inside, other=0.0)
             if COMBINE_K != 0:  # x's row is the experts' combine, written here first (x contiguous)
                 store_combined_row(x_ptr, pr.to(tl.int64), cy_ptr, stride_cy, cinv_ptr, cw_ptr, C, COMBINE_K,
                                    NORM == 1, BC)
             # the tile's loads first: in flight beside the mean's (else one more memory latency after them)
             sv = tl.load(x_ptr + rows3.to(tl.int64) * stride_r + cols3, mask=inside, other=0.0)
-            if NORM_RES:
-                rv = tl.load(res_ptr + rows3.to(tl.int64) * stride_rr + cols3, mask=inside, other=0.0)
             var = _row_square_sum(x_ptr + pr.to(tl.int64) * stride_r, res_ptr + pr.to(tl.int64) * stride_rr,
                                   NORM_RES, NORM == 1, NORM_J) * inv_n
             if NORM_RES:  # the residual sum: the norm's input and the new residual, stored after every load

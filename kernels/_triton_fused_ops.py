@@ -361,14 +361,14 @@ def _norm_row_kernel(x, x_stride, res, res_stride, w, y, res_out, eps, inv_n, cy
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     N: tl.constexpr = 128 * J
-    if COMBINE_K != 0:
-        store_combined_row(x, r, cy, cy_stride, cinv, cw, N, COMBINE_K, HF, BLOCK)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    wv = tl.load(w + cols, mask=m, other=0.0)
-    sv = tl.load(x + r * x_stride + cols, mask=m, other=0.0)  # the row's loads in flight beside the mean's
+    wv = tl.load(w + cols, mask=m, other=0.0)  # the loads that do not wait for the combine: before it
     if HAS_RES:
         rv = tl.load(res + r * res_stride + cols, mask=m, other=0.0)
+    if COMBINE_K != 0:
+        store_combined_row(x, r, cy, cy_stride, cinv, cw, N, COMBINE_K, HF, BLOCK)
+    sv = tl.load(x + r * x_stride + cols, mask=m, other=0.0)  # the row's loads in flight beside the mean's
     var = _row_square_sum(x + r * x_stride, res + r * res_stride, HAS_RES, HF, J) * inv_n
     if HAS_RES:
         sv = _residual_sum(sv, rv, HF)

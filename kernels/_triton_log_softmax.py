@@ -110,12 +110,20 @@ def sum_part(logits, stride, part_max, warp_sums, V, s, K: tl.constexpr, MAIN, T
 @triton.jit
 def _finish_kernel(part_max, warp_sums, mx_out, logsum_out, MP: tl.constexpr, MP_P2: tl.constexpr,
                    PDL: tl.constexpr = False):
-    """Row program_id(0): its max, and the log of its 32 warp sums added by the block's tree."""
+    """Row program_id(0): ``finished_stats``."""
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
+    mx, logsum = finished_stats(part_max, warp_sums, r, MP, MP_P2)
+    tl.store(mx_out + r, mx)
+    tl.store(logsum_out + r, logsum)
+
+
+@triton.jit
+def finished_stats(part_max, warp_sums, r, MP: tl.constexpr, MP_P2: tl.constexpr):
+    """Row r's (max, log-sum): the max of its MP maxima in ``part_max``, the log of its 32 warp sums added by
+    the block's tree (the statistics' last pass)."""
     col = tl.arange(0, 32)
     warps = tl.load(warp_sums + r * 32 + col)
     for j in tl.static_range(5):
         warps = xor_step(warps, col, 16 >> j)
-    tl.store(mx_out + r, _row_max(part_max, r, MP, MP_P2))
-    tl.store(logsum_out + r, _logf(element(warps, col, 0)))
+    return _row_max(part_max, r, MP, MP_P2), _logf(element(warps, col, 0))

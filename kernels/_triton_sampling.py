@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_log_softmax import sum_part
+from ._triton_log_softmax import finished_stats, sum_part
 from ._triton_pdl import pdl_wait
 from ._triton_torch_order import element
 
@@ -114,9 +114,10 @@ def pick_row(logits, stride, temp, block_max, block_sum, block_raw_max, row_max,
 @triton.jit
 def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, logprobs, tab_stride, stopped, stop,
                    ids, pos, trash, WRITE_TOKENS: tl.constexpr, ADVANCE: tl.constexpr, STATS: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   MP: tl.constexpr = 0, MP_P2: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Row program_id(0) of ``sampling.record_tokens``: integer moves and one fp32 copy (STATS: logp holds the
-    logits and the log-prob is (logits[tok] - mx) - logsum, torch's epilogue), nothing else rounded."""
+    logits and the log-prob is (logits[tok] - mx) - logsum, torch's epilogue), nothing else rounded. MP > 0:
+    mx / logsum are a ``LogSoftmaxParts``' maxima [B, MP] and warp sums [B, 32], finished here."""
     pdl_wait(PDL)
     i = tl.program_id(0)
     t = tl.load(tok + i)
@@ -128,7 +129,11 @@ def _record_kernel(tok, logp, lp_stride, mx, logsum, slots, nxt, end, tokens, lo
         tl.store(tokens + cell, t)
     lp = tl.load(logp + i.to(tl.int64) * lp_stride + t).to(tl.float32)
     if STATS:
-        lp = (lp - tl.load(mx + i)) - tl.load(logsum + i)
+        if MP > 0:
+            row_mx, row_logsum = finished_stats(mx, logsum, i.to(tl.int64), MP, MP_P2)
+        else:
+            row_mx, row_logsum = tl.load(mx + i), tl.load(logsum + i)
+        lp = (lp - row_mx) - row_logsum
     tl.store(logprobs + cell, lp)
     tl.store(stopped + slot, tl.load(stopped + slot) | (t == tl.load(stop)))
     if ADVANCE:

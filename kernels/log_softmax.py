@@ -52,6 +52,28 @@ class LogSoftmaxRows(NamedTuple):
         return (self.logits.float() - self.mx[:, None]) - self.logsum[:, None]
 
 
+class LogSoftmaxParts(NamedTuple):
+    """``LogSoftmaxRows`` before the statistics' last pass: logits [B, V], each row's maxima part_max [B, n]
+    (fp32; their max is the row's) and its 32 warp sums [B, 32]. ``rows()`` runs that pass (``finish_stats``);
+    a kernel that reads the statistics can take it itself (``sampling.record_tokens``: the same helper, the
+    same bits, one launch fewer)."""
+    logits: torch.Tensor
+    part_max: torch.Tensor
+    warp_sums: torch.Tensor
+
+    def rows(self) -> LogSoftmaxRows:
+        mx = torch.empty(self.warp_sums.shape[0], device=self.logits.device, dtype=torch.float32)
+        logsum = torch.empty_like(mx)
+        finish_stats(self.part_max, self.warp_sums, mx, logsum)
+        return LogSoftmaxRows(self.logits, mx, logsum)
+
+    def at(self, tok: torch.Tensor) -> torch.Tensor:
+        return self.rows().at(tok)
+
+    def full(self) -> torch.Tensor:
+        return self.rows().full()
+
+
 def log_softmax_stats_emulated(logits: torch.Tensor) -> LogSoftmaxRows:
     """The statistics in torch's order (module docstring), in PyTorch: the kernel's reference."""
     b, v = logits.shape

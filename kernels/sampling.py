@@ -23,14 +23,16 @@ kernel token against a float64 CDF.
 
     sample_tokens_with_log_softmax(logits, temperature, uniform, backend=None) -> ([B], log-softmax)
         ``sample_tokens`` and ``log_softmax_rows`` of the same logits, the same values; on CUDA the token's
-        pick and the log-softmax's sum pass share one launch (both need only the sampler's first pass).
+        pick and the log-softmax's sum pass share one launch (both need only the sampler's first pass), and
+        the statistics come as ``LogSoftmaxParts`` (their last pass left to ``record_tokens``).
 
     record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, trash, write_tokens,
                   advance=None, backend=None)
         The decode step's bookkeeping for rows i < B, in one launch on CUDA (about ten small PyTorch ops,
         which ``record_tokens_reference`` runs): col = nxt[i] if nxt[i] < end[slots[i]] else ``trash``;
         tokens[slots[i], col] = tok[i] (``write_tokens``); logprobs[slots[i], col] = logp[i, tok[i]] (logp:
-        the [B, V] fp32 log-softmax, or its ``LogSoftmaxRows``, whose logits may be BF16 / FP16);
+        the [B, V] fp32 log-softmax, or its ``LogSoftmaxRows`` / ``LogSoftmaxParts``, whose logits may be
+        BF16 / FP16; parts are finished in the same launch);
         stopped[slots[i]] |= tok[i] == stop; ``advance`` = (ids, pos): ids[i] = tok[i], pos[i] = nxt[i].
         Copies, integer tests and torch's own log-softmax epilogue only, so both paths write the same values.
         Rows sharing a slot (padding rows on the dummy slot) write it in an unspecified order, as index_put does.
@@ -51,7 +53,7 @@ from typing import NamedTuple
 import torch
 
 from . import _backend, log_softmax
-from .log_softmax import WIDENED, LogSoftmaxRows
+from .log_softmax import WIDENED, LogSoftmaxParts, LogSoftmaxRows
 
 BLOCK = 4096      # logits per block: 37 blocks of a 151,936-id vocabulary, one 16 KB read per pass and block
 PICK_SUMS_MIN_WARPS = 4  # the fused pick's program holds a block of BLOCK logits: at least 4 warps for it
@@ -95,7 +97,9 @@ def sample_tokens_with_log_softmax(logits: torch.Tensor, temperature, uniform: t
     """(``sample_tokens``, ``log_softmax_rows``) of the same logits (no top_p), the same values as the two
     calls. Where both run their Triton kernels, the log-softmax's sum pass and the token's pick, which each
     need only the sampler's first pass, run side by side in one launch (``_pick_sums_kernel``), the sums
-    taking the row's max from the first pass's block maxima: one launch and one wait fewer per decode step."""
+    taking the row's max from the first pass's block maxima: one launch and one wait fewer per decode step.
+    There the log-softmax comes as ``LogSoftmaxParts`` (the block maxima and the warp sums): ``record_tokens``
+    finishes them in its own launch, one launch fewer again; ``.rows()`` gives ``LogSoftmaxRows``."""
     fused = (logits.dim() == 2 and uniform.shape == logits.shape[:1] and logits.shape[0] > 0
              and _backend.resolve(backend, logits.device) == "triton" and log_softmax.covered(logits)
              and (logits.device.type != "cuda" or log_softmax.stats_run(logits, backend)))  # CPU: the interpreter
@@ -113,10 +117,7 @@ def sample_tokens_with_log_softmax(logits: torch.Tensor, temperature, uniform: t
     _pick_sums_kernel[(b, s + 1)](x, x.stride(0), t, block_max, block_sum, raw, u, out, warp_sums, v, nb,
                                   BLOCK=BLOCK, NB_P2=nb_p2, K=k, MAIN=main, **shape,
                                   **_backend.pdl_meta(_pick_sums_kernel, x.device))
-    mx = torch.empty(b, device=x.device, dtype=torch.float32)
-    logsum = torch.empty_like(mx)
-    log_softmax.finish_stats(raw, warp_sums, mx, logsum)
-    return out, LogSoftmaxRows(logits, mx, logsum)
+    return out, LogSoftmaxParts(logits, raw, warp_sums)
 
 
 def _first_pass(logits, temperature, uniform, row_max: bool):
@@ -162,7 +163,7 @@ def record_tokens_reference(tok, logp, slots, nxt, end, tokens, logprobs, stoppe
     col = torch.where(nxt < end[slots], nxt, trash)
     if write_tokens:
         tokens[slots, col] = tok
-    stats = isinstance(logp, LogSoftmaxRows)
+    stats = isinstance(logp, (LogSoftmaxRows, LogSoftmaxParts))
     logprobs[slots, col] = logp.at(tok) if stats else logp.gather(-1, tok[:, None]).squeeze(-1)
     stopped[slots] = stopped[slots] | (tok == stop)
     if advance is not None:
@@ -174,7 +175,8 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
                   advance=None, backend: str | None = None) -> None:
     """See the module docstring."""
     b = tok.shape[0]
-    stats = isinstance(logp, LogSoftmaxRows)
+    parts = isinstance(logp, LogSoftmaxParts)
+    stats = parts or isinstance(logp, LogSoftmaxRows)
     lp = logp.logits if stats else logp
     ints = [tok, slots, nxt, end, tokens, stop] + list(advance or ())
     ok = (_backend.resolve(backend, tok.device) == "triton" and lp.dim() == 2 and lp.shape[0] == b
@@ -189,9 +191,12 @@ def record_tokens(tok, logp, slots, nxt, end, tokens, logprobs, stopped, stop, t
 
     if b:
         ids, pos = advance if advance is not None else (tok, nxt)
-        _record_kernel[(b,)](tok, lp, lp.stride(0), logp.mx if stats else lp, logp.logsum if stats else lp, slots,
-                             nxt, end, tokens, logprobs, tokens.stride(0), stopped, stop, ids, pos, trash,
-                             WRITE_TOKENS=bool(write_tokens), ADVANCE=advance is not None, STATS=stats, num_warps=1,
+        mx, logsum = (logp.part_max, logp.warp_sums) if parts else (logp.mx, logp.logsum) if stats else (lp, lp)
+        mp = logp.part_max.numel() // b if parts else 0
+        _record_kernel[(b,)](tok, lp, lp.stride(0), mx, logsum, slots, nxt, end, tokens, logprobs, tokens.stride(0),
+                             stopped, stop, ids, pos, trash, WRITE_TOKENS=bool(write_tokens),
+                             ADVANCE=advance is not None, STATS=stats, MP=mp,
+                             MP_P2=log_softmax.pow2_at_least(mp) if parts else 1, num_warps=1,
                              **_backend.pdl_meta(_record_kernel, tok.device))
 
 

@@ -55,7 +55,7 @@ def kernels():
             yield (f"merge_splits D{d} f64={f64}", ta.merge_splits_kernel, t,
                    dict(D=d, SPLITS_P2=64, F64=f64), 1 if d <= 64 else 2, 1)
     mm = dict(x="*bf16", w="*bf16", bias="*bf16", out="*bf16", part="*fp32")
-    for name in ("SAFE_CONFIG", "SMALL_CONFIG", "MID_CONFIG", "BIG_CONFIG"):
+    for name in ("SAFE_CONFIG", "SMALL_CONFIG", "DECODE_CONFIG", "MID_CONFIG", "BIG_CONFIG"):
         cfg = dict(getattr(G, name))
         nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
         for splits in (1, 8):

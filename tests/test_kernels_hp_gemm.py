@@ -144,6 +144,15 @@ def test_probe_rejects_a_config_that_changes_bits(monkeypatch):
     assert hp_gemm.pick_config(4, 1000, torch.device("cuda", 0)) == hp_gemm.SAFE_CONFIG
 
 
+def test_decode_config_only_at_decode_rows_of_a_wide_weight():
+    """The lm_head's decode config is a candidate at M <= 64 over a vocabulary-wide N only (the router's
+    narrow N keeps its split-K tiles), and like every config it serves only once probed."""
+    assert hp_gemm._configs(64, 151936) == (hp_gemm.DECODE_CONFIG,)
+    assert hp_gemm._configs(16, 151936) == (hp_gemm.DECODE_CONFIG, hp_gemm.SMALL_CONFIG)
+    assert hp_gemm._configs(64, 128) == () and hp_gemm._configs(16, 128) == (hp_gemm.SMALL_CONFIG,)
+    assert hp_gemm.DECODE_CONFIG not in hp_gemm._configs(65, 151936)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(151936, 2048), (128, 2048), (4096, 2048)])

@@ -153,8 +153,35 @@ def test_pick_and_sums_in_one_launch_give_both_calls_values(device, dtype, tempe
     tok, logp = S.sample_tokens_with_log_softmax(x, temperature, u, backend="triton")
     assert torch.equal(tok, S.sample_tokens(x, temperature, u, backend="triton"))
     want = L.log_softmax_stats_emulated(x) if device == "cpu" else L.log_softmax_rows(x)
-    assert isinstance(logp, L.LogSoftmaxRows) and logp.logits is x
-    assert torch.equal(logp.mx, want.mx) and torch.equal(logp.logsum, want.logsum)
+    assert isinstance(logp, L.LogSoftmaxParts) and logp.logits is x
+    got = logp.rows()
+    assert torch.equal(got.mx, want.mx) and torch.equal(got.logsum, want.logsum)
     tok_t, logp_t = S.sample_tokens_with_log_softmax(x.cpu(), temperature, u.cpu(), backend="torch")
     assert torch.equal(tok_t, S.sample_tokens(x.cpu(), temperature, u.cpu(), backend="torch"))
     assert torch.equal(logp_t, torch.log_softmax(x.cpu().float(), -1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_record_kernel_finishes_the_parts(device):
+    """``record_tokens`` given ``LogSoftmaxParts`` (the fused pick's statistics before their last pass) writes
+    the log-probs of the finished ``LogSoftmaxRows``, bit for bit, in its own launch."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    rows, v = (3, L.SMEM_MIN + 400) if device == "cpu" else (64, 151936)
+    x = _logits(rows, v, 5, device).to(torch.bfloat16)
+    u = torch.rand(rows, generator=torch.Generator().manual_seed(4)).to(device)
+    tok, parts = S.sample_tokens_with_log_softmax(x, 1.0, u, backend="triton")
+    assert isinstance(parts, L.LogSoftmaxParts)
+    finished = parts.rows()
+    slots, nxt = torch.arange(rows, device=device), torch.full((rows,), 2, device=device)
+    outs = []
+    for logp in (parts, finished):
+        tokens = torch.zeros(rows + 1, 8, dtype=torch.int64, device=device)
+        logprobs = torch.zeros(rows + 1, 8, device=device)
+        stopped = torch.zeros(rows + 1, dtype=torch.bool, device=device)
+        S.record_tokens(tok, logp, slots, nxt, torch.full((rows + 1,), 8, device=device), tokens, logprobs, stopped,
+                        torch.tensor(2, device=device), 7, True, backend="triton")
+        outs.append((tokens, logprobs, stopped))
+    for a, c in zip(*outs, strict=True):
+        assert torch.equal(a, c)
+    assert torch.equal(outs[0][1][slots, nxt], finished.at(tok))

@@ -77,9 +77,9 @@ class DecodeState:
     def emit(self, tok: torch.Tensor, logp: torch.Tensor, slots: torch.Tensor, nxt: torch.Tensor,
              write_tokens: bool, advance: bool = False) -> None:
         """Record the token at position ``nxt`` of each row's slot (positions at or past the slot's end go to
-        the trash column), its log-prob (``logp``: the rows' [B, V] log-softmax, or its ``LogSoftmaxRows``)
-        and whether it is the stop token; ``advance``: then feed it (ids[:B] = tok, pos[:B] = nxt). One launch
-        on CUDA (``minite.kernels.record_tokens``)."""
+        the trash column), its log-prob (``logp``: the rows' [B, V] log-softmax, or its ``LogSoftmaxRows`` /
+        ``LogSoftmaxParts``) and whether it is the stop token; ``advance``: then feed it (ids[:B] = tok,
+        pos[:B] = nxt). One launch on CUDA (``minite.kernels.record_tokens``)."""
         b = tok.shape[0]
         kernels.record_tokens(tok, logp, slots, nxt, self.end, self.tokens, self.logprobs, self.stopped, self.stop,
                               self.trash, write_tokens, (self.ids[:b], self.pos[:b]) if advance else None)
