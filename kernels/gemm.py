@@ -688,3 +688,58 @@ def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: tor
         return _torch_gemm.grouped_gemm(a if rows is None else a.take(rows), ex, offsets, out_dtype, k_segments)
     # Blackwell runs the portable decode kernel here too (a per-expert _scaled_mm would need host offsets)
     return _triton_grouped(a, ex, offsets, out_dtype, config, k_segments, rows)
+
+
+def routed_grouped_nvfp4_gemm(a: NVFP4Tensor, ws, ids: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                              backend: str | None = None):
+    """The MoE GEMM of tokens a [T, K] routed by ``ids`` (int32 / int64 [T, k], each in [0, E), not checked on
+    the GPU): (out, sort), bit for bit ``sort = fused_ops.sort_by_expert(ids, E, inverse=True)`` (perm, rows,
+    offsets, inv) and ``out = grouped_nvfp4_gemm(a, ws, offsets, out_dtype, rows=rows)`` [T k, N]. Where the
+    CUDA decode kernel serves the GEMM with its sorting build (``_cuda_decode.sorts``), every CTA sorts the
+    ids in shared memory and one writes the sort out for the kernels after it: one launch instead of two,
+    once a first-use probe has matched the two calls on this GPU."""
+    from . import fused_ops
+    ex = stack_experts(ws)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) \
+            or ids.device != a.device or ids.shape[0] != a.shape[0]:
+        raise ValueError(f"ids must be an int32/int64 [T, k] tensor on {a.device} with T = {a.shape[0]} rows of a")
+    run = _sorting_launch(a, ex, ids.contiguous(), out_dtype, backend)
+    if run is not None:
+        return run()
+    sort = fused_ops.sort_by_expert(ids, ex.shape[0], inverse=True)
+    return grouped_nvfp4_gemm(a, ex, sort[2], out_dtype, backend, rows=sort[1]), sort
+
+
+def _sorting_launch(a, ex: NVFP4Experts, ids, out_dtype, backend):
+    """The one launch of ``routed_grouped_nvfp4_gemm`` (a callable), or None where it does not run here."""
+    from . import _cuda_decode, _probe, fused_ops
+    e, n, k = ex.shape
+    m = ids.numel()
+    if a.device.type != "cuda" or gemm_path(a.device, backend) != "triton" or m == 0 or out_dtype not in OUT_DTYPES:
+        return None
+    _check_common(a, k, ex.codes.device, out_dtype)
+    cfg, mod, cuda_ok = _grouped_choice(a, ex, None, m)
+    if (cfg.get("variant") != "cuda" or not cuda_ok or tuple(sorted(cfg.items())) in _grouped_broken
+            or not _cuda_decode.sorts(cfg, k, k_chunk(), e, m, ex.frag is not None)):
+        return None
+
+    def run(ids=ids, a=a):
+        buf = torch.empty(3 * ids.numel() + e + 1, dtype=torch.int64, device=a.device)
+        out = torch.empty(ids.numel(), n, dtype=out_dtype, device=a.device)
+        _cuda_decode.grouped(mod, a, ex, out, None, cfg, k_chunk(), ids=ids, sorted_out=buf)
+        t = ids.numel()
+        return out, (buf[:t], buf[t:2 * t], buf[2 * t:2 * t + e + 1], buf[2 * t + e + 1:])
+
+    def probe():  # these ids, ties on few experts, and one expert for all: the two calls' bits
+        g = torch.Generator(device="cpu").manual_seed(e)
+        cases = [ids, torch.randint(0, min(e, 3), ids.shape, generator=g).to(ids), torch.full_like(ids, e - 1)]
+        for case in cases:
+            got_out, got = run(case.contiguous())
+            want = fused_ops.sort_by_expert(case, e, inverse=True)
+            want_out = grouped_nvfp4_gemm(a, ex, want[2], out_dtype, rows=want[1])
+            if not (all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+                    and torch.equal(got_out.view(torch.uint8), want_out.view(torch.uint8))):
+                return False
+        return True
+    key = ("routed_grouped", config_name(cfg), e, n, k, tuple(ids.shape), ids.dtype, out_dtype)
+    return run if _probe.proven(key, a.device, probe) else None

@@ -483,6 +483,112 @@ def test_gpu_grouped_decode_many_rows_per_expert_bit_equal(tokens, n, k):
     assert G.grouped_config_for(a, ex) == G.config_name(cfg)  # and the dispatch takes it (probe passed)
 
 
+def _routing(tokens, top_k, e, kind, seed=0):
+    """Expert ids [tokens, top_k]: distinct random experts a token (the router's), ties on three experts, or
+    every choice on the last expert."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "router":
+        return torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    if kind == "few":
+        return torch.randint(0, min(e, 3), (tokens, top_k), generator=g)
+    return torch.full((tokens, top_k), e - 1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("tokens,top_k,e,warps", [(1, 8, 128, 4), (7, 8, 128, 4), (64, 8, 128, 4),
+                                                  (128, 8, 128, 4), (13, 4, 32, 2), (5, 2, 3, 1)])
+@pytest.mark.parametrize("kind", ["router", "few", "one"])
+def test_kernel_sort_is_the_stable_sort_by_expert(tokens, top_k, e, warps, kind):
+    """The grouped kernel's own sort of the expert ids (its twin, lane by lane: warps over contiguous rounds,
+    ranks within a round by equal ids) is ``sort_by_expert``'s: perm, rows, offsets, inv, and the rows the CTA
+    reads."""
+    from minite.kernels.fused_ops import sort_by_expert_reference
+    ids = _routing(tokens, top_k, e, kind, seed=tokens)
+    got = _decode_twin.sort_ids(ids.flatten().tolist(), e, top_k, warps)
+    perm, rows, offs, inv = (t.tolist() for t in sort_by_expert_reference(ids, e, inverse=True))
+    assert (got["perm"], got["rows"], got["offsets"], got["inv"]) == (perm, rows, offs, inv)
+    assert got["srows"] == rows
+
+
+def test_kernel_sort_leaves_out_ids_outside_the_experts_and_refuses_too_many():
+    got = _decode_twin.sort_ids([3, -1, 0, 9, 3, 1], 4, 2, 1)
+    assert got["offsets"] == [0, 1, 2, 2, 4] and got["perm"] == [2, 5, 0, 4]
+    assert got["inv"] == [2, -1, 0, -1, 3, 1] and got["rows"] == [1, 2, 0, 2]
+    with pytest.raises(ValueError, match="do not fit"):
+        _decode_twin.sort_ids([0] * (32 * 8 * 4 + 1), 8, 8, 4)
+
+
+def test_sorting_build_is_the_grouped_decode_default_only():
+    """The kernel sorts the ids itself only in the build that has it (one token tile, 4 warps, row groups in
+    sequence, fragment-order codes, one chain over K) and while the ids fit its warps' registers; its offsets
+    and rows (4.5 KB at 1,024 ids) still let three gate_up CTAs share an SM."""
+    cfg = dict(NT=1, W=4, D=8, SEG=0, RG=8, BAL=1, CTAS=396)
+    assert _cuda_decode.sorts(cfg, 2048, 0, 128, 512, frag=True)
+    assert _cuda_decode.sorts(cfg, 2048, 0, 128, 1024, frag=True)
+    assert not _cuda_decode.sorts(cfg, 2048, 0, 128, 1025, frag=True)            # past 8 rounds of 32 a warp
+    assert not _cuda_decode.sorts(cfg, 2048, 0, 128, 512, frag=False)            # row-major codes
+    assert not _cuda_decode.sorts(cfg, 2048, 512, 128, 512, frag=True)           # the K-chunk contract
+    assert not _cuda_decode.sorts(dict(cfg, NT=2), 2048, 0, 128, 512, frag=True)
+    assert not _cuda_decode.sorts(dict(cfg, RG=1), 2048, 0, 128, 512, frag=True)
+    assert not _cuda_decode.sorts(cfg, 2048, 0, 100_000, 512, frag=True)         # counters past the ring
+    sm_bytes, per_cta = 228 * 1024, 1024
+    assert 3 * (_cuda_decode.smem_bytes(cfg, 16, 16, 0, 1, 128, True, 1024) + per_cta) <= sm_bytes
+
+
+def test_routed_grouped_gemm_is_the_sort_and_the_gemm():
+    """Where the kernel does not sort (CPU), the routed GEMM is the two calls it replaces: the same sort and
+    the GEMM of the routed rows read through it."""
+    from minite.kernels import quantize, routed_grouped_nvfp4_gemm
+    from minite.kernels.fused_ops import sort_by_expert
+    ids = _routing(5, 4, 8, "router")
+    a = quantize(torch.randn(5, 256), scaling="row")
+    ex = stack_experts([quantize(torch.randn(32, 256)) for _ in range(8)])
+    out, sort = routed_grouped_nvfp4_gemm(a, ex, ids, out_dtype=torch.float32)
+    want = sort_by_expert(ids, 8, inverse=True)
+    assert all(torch.equal(x, y) for x, y in zip(sort, want, strict=True))
+    assert torch.equal(out, grouped_nvfp4_gemm(a.take(want[1]), ex, want[2], out_dtype=torch.float32))
+    with pytest.raises(ValueError, match="ids must be"):
+        routed_grouped_nvfp4_gemm(a, ex, ids[:4], out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 64, 128])
+def test_gpu_grouped_decode_sorts_the_ids_itself(tokens):
+    """The grouped kernel given the expert ids (top-8 of 128 experts, K = 2048) sorts them itself: the sort it
+    writes is ``sort_by_expert``'s and its output the two calls' (the sort, then the rows read in place),
+    bitwise, for the router's ids, ties on three experts and one expert for all, int64 and int32 ids, a grid
+    that loops over tiles, balanced shares, and through ``routed_grouped_nvfp4_gemm`` (one launch where the
+    default config is the sorting build)."""
+    dev = _gpu_module()
+    from minite.kernels import quantize, routed_grouped_nvfp4_gemm
+    from minite.kernels.fused_ops import sort_by_expert
+    mod = G._cuda_module(dev)
+    a = quantize(torch.randn(tokens, 2048, device=dev), scaling="row")
+    ex = decode_layout(stack_experts([quantize(torch.randn(512, 2048, device=dev) * 0.05) for _ in range(128)]))
+    for kind in ("router", "few", "one"):
+        ids64 = _routing(tokens, 8, 128, kind, seed=tokens).to(dev)
+        want = sort_by_expert(ids64, 128, inverse=True)
+        want_out = grouped_nvfp4_gemm(a.take(want[1]), ex, want[2], out_dtype=torch.float32,
+                                      config=G.GROUPED_FALLBACK)
+        for ids in (ids64, ids64.to(torch.int32)):
+            for cfg in (dict(NT=1, W=4, D=8, SEG=0, RG=4), dict(NT=1, W=4, D=8, SEG=0, RG=2, CTAS=3),
+                        dict(NT=1, W=4, D=4, SEG=0, RG=2, BAL=1, CTAS=5), dict(NT=1, W=4, D=8, SEG=0, RG=8, BAL=1,
+                                                                               CTAS=396)):
+                cfg = dict(variant="cuda", **cfg)
+                buf = torch.full((3 * ids.numel() + 129,), -7, dtype=torch.int64, device=dev)
+                out = torch.full((ids.numel(), 512), float("nan"), device=dev)
+                _cuda_decode.grouped(mod, a, ex, out, None, cfg, 0, ids=ids, sorted_out=buf)
+                t = ids.numel()
+                got = (buf[:t], buf[t:2 * t], buf[2 * t:2 * t + 129], buf[2 * t + 129:])
+                assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), (kind, G.config_name(cfg))
+                assert torch.equal(out, want_out), (kind, ids.dtype, G.config_name(cfg))
+            out, sort = routed_grouped_nvfp4_gemm(a, ex, ids, out_dtype=torch.float32)
+            assert all(torch.equal(x, y) for x, y in zip(sort, want, strict=True)) and torch.equal(out, want_out)
+    # the default config of these rows sorts (at 64 tokens, the benchmark's batch, it must) and its probe passed
+    sorts = _cuda_decode.sorts(G.grouped_cuda_config(8 * tokens, 128, 2048, 512), 2048, 0, 128, 8 * tokens, True)
+    assert sorts or tokens != 64
+    assert (G._sorting_launch(a, ex, ids64, torch.float32, None) is not None) == sorts
+
+
 @pytest.mark.parametrize("nt", [1, 2, 4])
 def test_grouped_tiles_cover_every_row_once(nt):
     """The kernel's per-CTA tile list (mirrored by the twin): every row of every expert exactly once, no tile
