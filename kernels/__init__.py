@@ -29,9 +29,6 @@ exact pure PyTorch on CPU.
         fragment order (a sampler's decode-time weights: one contiguous read per warp step; same bits).
     grouped_nvfp4_gemm(a, ws, offsets, out_dtype=torch.bfloat16, backend=None, k_segments=1) -> [M, N]
         MoE: rows sorted by expert, ws a list of NVFP4Tensors or an NVFP4Experts (``stack_experts``).
-    routed_grouped_nvfp4_gemm(a, ws, ids, out_dtype=torch.bfloat16) -> (out, (perm, rows, offsets, inv))
-        the tokens a routed by ids [T, k]: fused_ops.sort_by_expert and grouped_nvfp4_gemm(rows=) bit for bit;
-        the CUDA decode kernel sorts the ids itself (one launch instead of two).
     transpose_weight(w) / transpose_experts(ex, shards=1)
         a 16x16-tiled weight as W^T in 1x16 blocks (same codes and scales): dgrad's NVFP4 weight operand.
     wgrad_grouped_nvfp4_gemm(a, b, ends, out_dtype=torch.bfloat16, backend=None) -> [E, M, N]
@@ -94,7 +91,7 @@ if __name__ == "kernels":
     if _spec.loader is not None:
         _spec.loader.exec_module(_hf)
 else:
-    from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm, reads_f16_tokens, routed_grouped_nvfp4_gemm
+    from .gemm import dense_weight_bytes, grouped_nvfp4_gemm, nvfp4_gemm, reads_f16_tokens
     from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, decode_layout, gemm_path, prepare_experts,
                           prepare_weight, stack_experts)
     from .backward_gemm import transpose_experts, transpose_weight, wgrad_grouped_nvfp4_gemm
@@ -110,8 +107,7 @@ else:
 
     __all__ = ["quantize", "quantize_dequantize", "quantize_rms_norm", "quantize_silu_mul", "quantize_weight_groups",
                "dequantize", "nvfp4_gemm", "dense_weight_bytes", "reads_f16_tokens", "DecodedNVFP4Tensor",
-               "grouped_nvfp4_gemm", "routed_grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts",
-               "stack_experts",
+               "grouped_nvfp4_gemm", "prepare_weight", "PreparedWeight", "NVFP4Experts", "stack_experts",
                "prepare_experts", "decode_layout", "gemm_path", "transpose_weight", "transpose_experts",
                "wgrad_grouped_nvfp4_gemm", "decode_attention", "invariant_attention", "invariant_gemm",
                "invariant_gemm_parts", "sum_parts", "route_parts",

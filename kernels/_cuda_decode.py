@@ -25,7 +25,6 @@ FRAG_SLOT_BYTES = 1024 + 16 * 8  # the same for fragment-order codes: the step's
 ROWS_PER_WARP = 16   # weight rows per warp (the mma's M)
 TOKENS_PER_TILE = 8  # tokens per n8 tile (the mma's N); a CTA takes NT of them
 MAX_EXPERTS = 4096   # the per-CTA tile scan lives in shared memory (4 bytes per expert)
-SORT_ROUNDS = 8      # rounds of 32 expert ids a warp holds when the kernel sorts them (``kSortRounds``)
 _DECL = """
 int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_t w_codes, int64_t w_scales,
                            int64_t gw, int64_t bias, int64_t out, int64_t M, int64_t N, int64_t K, int64_t ga_row,
@@ -34,7 +33,6 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
                            int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t pdl,
-                           int64_t ids, int64_t ids64, int64_t n_ids, int64_t top_k, int64_t sorted,
                            int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -98,21 +96,19 @@ def row_groups_for(cfg: dict, nsteps: int, seg: int, chunk_steps: int) -> int:
 
 
 def smem_bytes(cfg: dict, nsteps: int, seg: int, chunk_steps: int, lanes: int, n_experts: int = 0,
-               frag: bool = False, n_ids: int = 0) -> int:
+               frag: bool = False) -> int:
     """Dynamic shared memory of a launch (``Layout`` in the kernel): the warps' rings (slots of row-major or
-    fragment-order codes), one or two token buffers, the chunk sums (chunk lanes only), the grouped tile list,
-    and where the kernel sorts ``n_ids`` expert ids itself, their offsets and rows."""
+    fragment-order codes), one or two token buffers, the chunk sums (chunk lanes only), the grouped tile list."""
     nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
     nchunks = -(-nsteps // chunk_steps) if chunk_steps else 1
     ring = warps * depth * (FRAG_SLOT_BYTES if frag else SLOT_BYTES)
     tokens = (2 if seg < nsteps else 1) * seg * nt * 2048
     sums = nchunks * (warps // lanes) * 32 * 16 * nt if lanes > 1 else 0
-    sort = 4 * (n_experts + 1 + n_ids) if n_ids else 0
-    return ring + tokens + sums + (4 * (n_experts + 1) if n_experts else 0) + sort
+    return ring + tokens + sums + (4 * (n_experts + 1) if n_experts else 0)
 
 
 def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: int = 1 << 30,
-            n_experts: int = 0, frag: bool = False, n_ids: int = 0) -> int:
+            n_experts: int = 0, frag: bool = False) -> int:
     """K steps per token-fragment segment: all of K when its token units fit the registers the kernel keeps
     for them (then no barrier in the main loop), else the config's SEG (0: as many as fit); with chunks a
     whole number of rounds (lanes x chunk); then smaller ones until the launch fits ``smem_limit`` bytes.
@@ -122,7 +118,7 @@ def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: in
     unit = lanes * chunk_steps if chunk_steps else 1
     first = nsteps if nsteps <= cap else min(cfg.get("SEG", 0) or cap, cap) // unit * unit
     for seg in [first] + [i * unit for i in range((first - 1) // unit, 0, -1)]:
-        if seg > 0 and smem_bytes(cfg, nsteps, seg, chunk_steps, lanes, n_experts, frag, n_ids) <= smem_limit:
+        if seg > 0 and smem_bytes(cfg, nsteps, seg, chunk_steps, lanes, n_experts, frag) <= smem_limit:
             return seg
     raise ValueError(f"CUDA decode GEMM config {cfg}: no token segment fits (K = {nsteps * STEP_K}"
                      + (f", rounds of {lanes} chunks of {chunk_steps} steps" if chunk_steps else "")
@@ -156,45 +152,29 @@ def chunk_log2(chunk_steps: int) -> int:
 
 
 def plan(cfg: dict, k: int, chunk: int, device_index: int, n_experts: int = 0,
-         frag: bool = False, n_ids: int = 0) -> tuple[int, int, int]:
+         frag: bool = False) -> tuple[int, int, int]:
     """(chunk lanes, K steps per token segment, row groups per warp) of a launch on this GPU."""
     nsteps, chunk_steps = k // STEP_K, chunk // STEP_K
     lanes = lanes_for(cfg, nsteps, chunk_steps)
-    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(device_index), n_experts, frag, n_ids)
+    seg = segment(cfg, nsteps, chunk_steps, lanes, smem_limit(device_index), n_experts, frag)
     return lanes, seg, row_groups_for(cfg, nsteps, seg, chunk_steps)
 
 
-def sorts(cfg: dict, k: int, chunk: int, n_experts: int, n_ids: int, frag: bool) -> bool:
-    """Whether a grouped launch of this config can sort ``n_ids`` expert ids itself (``sort_ids`` in the
-    kernel): the build that has it (one n8 token tile, row groups in sequence under one chain over K, codes in
-    fragment order; 4 warps, three CTAs an SM), the ids in its warps' registers, its per-warp counters inside
-    the ring."""
-    nsteps, chunk_steps = k // STEP_K, chunk // STEP_K
-    warps = cfg["W"]
-    if cfg["NT"] != 1 or warps != 4 or chunk_steps or not (frag and cfg["D"] in FRAG_DEPTHS):
-        return False
-    ring = warps * cfg["D"] * FRAG_SLOT_BYTES
-    return (n_ids <= 32 * SORT_ROUNDS * warps and 4 * warps * n_experts <= ring
-            and row_groups_for(cfg, nsteps, nsteps, chunk_steps) > 1)
-
-
 def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, chunk, shape, offsets=None,
-          strides=(0, 0, 0), frag=False, rows=None, balanced=False, n_experts=0, ids=None, sorted_out=None):
+          strides=(0, 0, 0), frag=False, rows=None, balanced=False):
     nt, depth, warps = _check(cfg)
     lanes, seg, rg = shape
-    offs, offs64, grouped = 0, 0, offsets is not None or ids is not None
+    offs, offs64, n_experts = 0, 0, 0
     if offsets is not None:
         offs, offs64, n_experts = offsets.data_ptr(), int(offsets.dtype == torch.int64), offsets.numel() - 1
     rc = mod.decode_gemm_launch(
         a.codes.data_ptr(), a.scales.data_ptr(), ga.data_ptr(), w_codes.data_ptr(), w_scales.data_ptr(),
         gw.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k, int(ga.numel() > 1),
-        int(gw.dim() >= (2 if grouped else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
+        int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
         chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
         0 if rows is None else rows.data_ptr(), int(rows is not None and rows.dtype == torch.int64),
         int(balanced), PDL_MODE if _backend.pdl_on(out.device) else 0,
-        0 if ids is None else ids.data_ptr(), int(ids is not None and ids.dtype == torch.int64),
-        0 if ids is None else ids.numel(), 0 if ids is None else ids.shape[-1],
-        0 if sorted_out is None else sorted_out.data_ptr(), torch.cuda.current_stream(out.device).cuda_stream)
+        torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
     return out
@@ -215,44 +195,25 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0, frag: torch.Tensor | 
                  frag=use)
 
 
-def grouped(mod, a, ex, out, offsets: torch.Tensor | None, cfg: dict, chunk: int = 0,
-            rows: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-            sorted_out: torch.Tensor | None = None) -> torch.Tensor:
+def grouped(mod, a, ex, out, offsets: torch.Tensor, cfg: dict, chunk: int = 0,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped form, one launch: each CTA scans ``offsets`` (int32 or int64 [E + 1], on the device) into tiles
     of 8 NT rows and loops over them with stride gridDim.y (at most ``CTAS`` CTAs in all); with ``BAL`` (row
     groups in sequence, fragment-order codes) at most ``CTAS`` CTAs run one wave: where the routing makes more
     tiles than gridDim.y, they share the (tile, row group) pairs out evenly (``cta_range`` in the kernel).
     Reads ``ex.frag``
     (fragment-order codes) where present and the ring depth has a fragment-order build. ``rows`` (int32 /
-    int64 [M], contiguous, on the device): the problem's row i is a's row rows[i], read in place.
-    ``ids`` (int32 / int64 [T, top_k], contiguous, in [0, E), instead of offsets and rows; where ``sorts``): the
-    kernel sorts them itself (``fused_ops.sort_by_expert``'s order: the problem's rows are a's rows of the ids
-    in that order) and writes that sort into ``sorted_out`` (int64 [3 T top_k + E + 1]: perm | rows | offsets |
-    inv)."""
+    int64 [M], contiguous, on the device): the problem's row i is a's row rows[i], read in place."""
+    m, k = a.shape if rows is None else (rows.numel(), a.shape[1])
     e, n, _ = ex.shape
-    if ids is not None:
-        m, k = ids.numel(), a.shape[1]
-        if (ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or not ids.is_contiguous()
-                or offsets is not None or rows is not None or sorted_out is None or sorted_out.dtype != torch.int64
-                or not sorted_out.is_contiguous() or sorted_out.numel() != 3 * m + e + 1):
-            raise ValueError("CUDA decode GEMM: ids (contiguous int32/int64 [T, top_k]) take the place of offsets "
-                             f"and rows, and need sorted_out (contiguous int64 [{3 * m + e + 1}])")
-    else:
-        m, k = a.shape if rows is None else (rows.numel(), a.shape[1])
-        if offsets.dtype not in (torch.int32, torch.int64):
-            raise ValueError("CUDA decode GEMM: offsets int32/int64")
-    if e > MAX_EXPERTS:
-        raise ValueError(f"CUDA decode GEMM: at most {MAX_EXPERTS} experts")
+    if offsets.dtype not in (torch.int32, torch.int64) or e > MAX_EXPERTS:
+        raise ValueError(f"CUDA decode GEMM: offsets int32/int64 and at most {MAX_EXPERTS} experts")
     ga, gw = a.global_scale.contiguous(), ex.global_scale.contiguous()
     tile_rows = TOKENS_PER_TILE * cfg["NT"]
     bound = min(m, -(-m // tile_rows) + e)  # tiles that can hold rows
     frag = ex.frag is not None and cfg["D"] in FRAG_DEPTHS  # same bits either way
-    if ids is not None and not sorts(cfg, k, chunk, e, m, frag):
-        raise ValueError(f"CUDA decode GEMM config {cfg} does not sort {m} expert ids of {e} experts")
-    shape = plan(cfg, k, chunk, out.device.index, e, frag, m if ids is not None else 0)
+    shape = plan(cfg, k, chunk, out.device.index, e, frag)
     lanes, _, rg = shape
-    if ids is not None and rg < 2:  # K's token fragments did not fit at once: not the sorting build
-        raise ValueError(f"CUDA decode GEMM config {cfg}: no row groups in sequence at K = {k}, so no sort")
     groups_x = -(-(n // ROWS_PER_WARP) // (cfg["W"] // lanes * rg))
     balanced = bool(cfg.get("BAL", 0) and frag and rg > 1)
     if balanced:  # never above CTAS: one wave
@@ -262,4 +223,4 @@ def grouped(mod, a, ex, out, offsets: torch.Tensor | None, cfg: dict, chunk: int
     codes = ex.frag if frag else ex.codes
     strides = (codes.stride(0), ex.scales.stride(0), gw.stride(0))
     return _call(mod, a, codes, ex.scales, ga, gw, None, out, m, n, k, cfg, grid_y, chunk, shape,
-                 None if offsets is None else offsets.contiguous(), strides, frag, rows, balanced, e, ids, sorted_out)
+                 offsets.contiguous(), strides, frag, rows, balanced)

@@ -232,54 +232,6 @@ def grouped_tiles(offsets: list[int], nt: int) -> list[tuple[int, int, int]]:
     return tiles
 
 
-def sort_ids(ids: list[int], n_experts: int, top_k: int, warps: int, rounds_max: int = 8) -> dict:
-    """The kernel's ``sort_ids``, lane by lane: warp w takes the ids of rounds w R .. w R + R - 1 (32 a round,
-    R = ceil(n / 32 W) <= rounds_max); pass 1 counts each warp's ids per expert (a round's equal ids, the lanes
-    of one ``__match_any_sync`` group, added by their lowest lane); warp 0 turns the counts into offsets and each
-    warp's first place per expert; pass 2 places id i at that place plus its rank among the round's equal ids
-    below it. Ids outside [0, E) are left out. Returns perm, rows, offsets, inv (-1 where left out) and the
-    CTA's sorted rows."""
-    n = len(ids)
-    rounds = -(-n // (32 * warps))
-    if rounds > rounds_max:
-        raise ValueError(f"{n} ids do not fit {warps} warps x {rounds_max} rounds of 32")
-    valid = [v if 0 <= v < n_experts else -1 for v in ids]
-
-    def lanes_of(w, r):  # (flat index, id) of the round's 32 lanes
-        base = (w * rounds + r) * 32
-        return [(base + lane, valid[base + lane] if base + lane < n else -1) for lane in range(32)]
-
-    cnt = [[0] * n_experts for _ in range(warps)]
-    for w in range(warps):
-        for r in range(rounds):
-            for _, v in lanes_of(w, r):
-                if v >= 0:
-                    cnt[w][v] += 1  # the group's lowest lane adds the group's size: the same sum
-    offsets, carry = [], 0
-    for e in range(n_experts):
-        offsets.append(carry)
-        total = 0
-        for w in range(warps):
-            cnt[w][e], total = total, total + cnt[w][e]
-        for w in range(warps):
-            cnt[w][e] += carry
-        carry += total
-    offsets.append(carry)
-    perm, rows, inv, srows = [-1] * carry, [-1] * carry, [-1] * n, [-1] * carry
-    for w in range(warps):
-        for r in range(rounds):
-            lanes = lanes_of(w, r)
-            for lane, (i, v) in enumerate(lanes):
-                if v < 0:
-                    continue
-                pos = cnt[w][v] + sum(1 for lo in range(lane) if lanes[lo][1] == v)
-                perm[pos], rows[pos], inv[i], srows[pos] = i, i // top_k, pos, i // top_k
-            for _, v in lanes:  # after every lane has its place: the leaders move the warp's places on
-                if v >= 0:
-                    cnt[w][v] += 1
-    return dict(perm=perm, rows=rows, offsets=offsets, inv=inv, srows=srows)
-
-
 def my_steps(nsteps: int, lanes: int, chunk_steps: int, c: int) -> list[int]:
     """The K steps warp lane c of a row group runs, in order: chunks c, c + lanes, ... of ``chunk_steps``
     steps (the last chunk of K may be short); without chunks (chunk_steps 0) all of K."""

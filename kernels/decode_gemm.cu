@@ -91,13 +91,6 @@ struct Params {
   // the rows routed to experts read in place, without a gathered copy of a
   const void* a_rows;
   int a_rows64;
-  // grouped, sorted here (instead of offsets and a_rows): the n_ids = T x top_k expert ids (int32 or int64, [T,
-  // top_k] row-major) of the tokens a holds once; every CTA sorts them by expert in shared memory (``sort_ids``)
-  // and CTA 0 writes the sort for the kernels after it: ``sorted`` = perm [n_ids] | rows [n_ids] | offsets [E + 1]
-  // | inv [n_ids], int64 (``fused_ops.sort_by_expert``'s, inverse included), or null
-  const void* ids;
-  int ids64, n_ids, top_k;
-  int64_t* sorted;
   // grouped row-group streams (STREAM below): the CTAs share the (tile, row group) pairs out evenly, whatever
   // the number of tiles the routing makes (see ``cta_range``); else, and while the tiles fit the grid's y, the
   // grid's x picks a row block, its y the tiles
@@ -108,12 +101,9 @@ struct Params {
 
 // (only grouped launches take a_rows: the dense builds index their rows directly, with no branch in their
 // token loads, whose loads then issue back to back)
-// srows: the rows the CTA sorted itself (``sort_ids``), in shared memory, or null
 template <bool GROUPED>
-__device__ __forceinline__ int64_t a_row(const Params& p, const int* srows, int m) {
-  if (!GROUPED) return m;
-  if (srows != nullptr) return srows[m];
-  if (p.a_rows == nullptr) return m;
+__device__ __forceinline__ int64_t a_row(const Params& p, int m) {
+  if (!GROUPED || p.a_rows == nullptr) return m;
   return p.a_rows64 ? static_cast<const int64_t*>(p.a_rows)[m] : static_cast<const int*>(p.a_rows)[m];
 }
 
@@ -259,15 +249,15 @@ struct TokenUnit {
 };
 
 template <int NT, bool GROUPED>
-__device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, const int* srows, int unit, int m0,
-                                            int m_end, int s_begin, int s_end) {
+__device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, int unit, int m0, int m_end,
+                                            int s_begin, int s_end) {
   const int piece = unit & 3;
   const int m = (unit >> 2) % (8 * NT);
   const int sl = (unit >> 2) / (8 * NT);
   const int row = m0 + m, s = s_begin + sl;
   if (row < m_end && s < s_end) {
     const size_t kh = p.K >> 1, ks = p.K >> 4;
-    const int64_t ar = a_row<GROUPED>(p, srows, row);
+    const int64_t ar = a_row<GROUPED>(p, row);
     u.codes = *reinterpret_cast<const uint4*>(p.a_codes + ar * kh + s * kStepBytes + 16 * piece);
     u.sc = *reinterpret_cast<const uint16_t*>(p.a_scales + ar * ks + s * 8 + 2 * piece);
   } else {
@@ -299,27 +289,25 @@ __device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, 
   }
 }
 
-// soff: the offsets the CTA sorted itself (``sort_ids``), in shared memory, or null
-__device__ __forceinline__ int64_t offset_at(const Params& p, const int* soff, int e) {
-  if (soff != nullptr) return soff[e];
+__device__ __forceinline__ int64_t offset_at(const Params& p, int e) {
   return p.offsets64 ? static_cast<const int64_t*>(p.offsets)[e] : static_cast<const int*>(p.offsets)[e];
 }
 
 template <int NT>
-__device__ __forceinline__ int tiles_of(const Params& p, const int* soff, int e) {
+__device__ __forceinline__ int tiles_of(const Params& p, int e) {
   if (e >= p.E) return 0;
-  const int64_t rows = offset_at(p, soff, e + 1) - offset_at(p, soff, e);
+  const int64_t rows = offset_at(p, e + 1) - offset_at(p, e);
   return rows > 0 ? static_cast<int>((rows + 8 * NT - 1) / (8 * NT)) : 0;
 }
 
 // tile_start[e] = tiles of experts 0 .. e-1 (exclusive scan, one warp, 32 experts a round); tile_start[E] = all.
 // The first kPre rounds' offsets are loaded up front, all in flight at once (one memory latency, not one each).
 template <int NT>
-__device__ void scan_tiles(const Params& p, const int* soff, int* tile_start, int lane) {
+__device__ void scan_tiles(const Params& p, int* tile_start, int lane) {
   constexpr int kPre = 8;
   int pre[kPre];
 #pragma unroll
-  for (int r = 0; r < kPre; ++r) pre[r] = tiles_of<NT>(p, soff, 32 * r + lane);
+  for (int r = 0; r < kPre; ++r) pre[r] = tiles_of<NT>(p, 32 * r + lane);
   int carry = 0;
   auto round = [&](int e, int tiles) {
     int incl = tiles;
@@ -334,7 +322,7 @@ __device__ void scan_tiles(const Params& p, const int* soff, int* tile_start, in
 #pragma unroll
   for (int r = 0; r < kPre; ++r)
     if (32 * r < p.E) round(32 * r + lane, pre[r]);
-  for (int e0 = 32 * kPre; e0 < p.E; e0 += 32) round(e0 + lane, tiles_of<NT>(p, soff, e0 + lane));
+  for (int e0 = 32 * kPre; e0 < p.E; e0 += 32) round(e0 + lane, tiles_of<NT>(p, e0 + lane));
   if (lane == 0) tile_start[p.E] = carry;
 }
 
@@ -347,93 +335,6 @@ __device__ __forceinline__ int expert_of(const int* tile_start, int n_experts, i
     else hi = mid;
   }
   return lo;
-}
-
-// Grouped launches given the expert ids: the stable sort of the n = T x top_k ids by expert (flat order within an
-// expert: ``fused_ops.sort_by_expert``'s), made by every CTA in shared memory, so the tiles need no sort kernel
-// before them. soff[e] = rows of experts < e (soff[E] = n), srows[i] = the token of the sorted problem's row i.
-// Warp w takes the ids [w n_w, (w + 1) n_w), n_w = 32 x rounds, held in registers; the lanes of a round holding
-// one expert are ranked by __match_any_sync. Pass 1 counts each warp's ids per expert (cnt [W][E], scratch that
-// may alias the ring, which nothing uses yet); warp 0 turns the counts into each warp's first place per expert;
-// pass 2 places the ids. CTA 0 also writes perm, rows, offsets and inv (``Params::sorted``). Ids outside [0, E)
-// are the caller's error (the router's never are): they are left out, not written anywhere.
-constexpr int kSortRounds = 8;  // rounds of 32 ids a warp holds (the launcher checks n <= 32 kSortRounds W)
-
-__device__ __forceinline__ int id_at(const Params& p, int i) {
-  return p.ids64 ? static_cast<int>(static_cast<const int64_t*>(p.ids)[i]) : static_cast<const int*>(p.ids)[i];
-}
-
-__device__ void sort_ids(const Params& p, int* cnt, int* soff, int* srows, int W, int warp, int lane) {
-  const int E = p.E, n = p.n_ids;
-  const int rounds = (n + 32 * W - 1) / (32 * W);
-  int v[kSortRounds];
-#pragma unroll
-  for (int r = 0; r < kSortRounds; ++r) {  // every load in flight at once
-    const int i = (warp * rounds + r) * 32 + lane;
-    const int id = r < rounds && i < n ? id_at(p, i) : -1;
-    v[r] = id < E ? id : -1;
-  }
-  for (int i = threadIdx.x; i < W * E; i += blockDim.x) cnt[i] = 0;
-  __syncthreads();
-  int* mine = cnt + warp * E;
-  const unsigned below = (1u << lane) - 1;
-#pragma unroll
-  for (int r = 0; r < kSortRounds; ++r) {
-    if (r >= rounds) break;
-    const unsigned peers = __match_any_sync(0xFFFFFFFFu, v[r]);
-    if (v[r] >= 0 && (peers & below) == 0) mine[v[r]] += __popc(peers);
-    __syncwarp();
-  }
-  __syncthreads();
-  if (warp == 0) {  // experts 32 a round: warp w's first place of expert e = soff[e] + ids of e in warps < w
-    int carry = 0;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      int total = 0;
-      if (e < E)
-        for (int w = 0; w < W; ++w) {
-          const int c = cnt[w * E + e];
-          cnt[w * E + e] = total;
-          total += c;
-        }
-      int incl = total;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int x = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-        if (lane >= d) incl += x;
-      }
-      const int start = carry + incl - total;
-      if (e < E) {
-        soff[e] = start;
-        for (int w = 0; w < W; ++w) cnt[w * E + e] += start;
-      }
-      carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
-    }
-    if (lane == 0) soff[E] = carry;
-  }
-  __syncthreads();
-  const bool writer = p.sorted != nullptr && blockIdx.x == 0 && blockIdx.y == 0;
-  int64_t* perm = p.sorted;
-  int64_t* rows = perm + n;
-  int64_t* offsets = rows + n;
-  int64_t* inv = offsets + E + 1;
-#pragma unroll
-  for (int r = 0; r < kSortRounds; ++r) {
-    if (r >= rounds) break;
-    const unsigned peers = __match_any_sync(0xFFFFFFFFu, v[r]);
-    const int i = (warp * rounds + r) * 32 + lane;
-    if (v[r] >= 0) {
-      const int pos = mine[v[r]] + __popc(peers & below), row = i / p.top_k;
-      srows[pos] = row;
-      if (writer) perm[pos] = i, rows[pos] = row, inv[i] = pos;
-    }
-    __syncwarp();
-    if (v[r] >= 0 && (peers & below) == 0) mine[v[r]] += __popc(peers);
-    __syncwarp();
-  }
-  if (writer)
-    for (int e = threadIdx.x; e <= E; e += blockDim.x) offsets[e] = soff[e];
-  __syncthreads();
 }
 
 template <typename T>
@@ -460,7 +361,7 @@ __device__ __forceinline__ float epilogue(float acc, float ga, float gw, bool ha
 
 // Shared memory of a CTA (the launcher computes the same sizes):
 //   ring [W][D][Slot<FRAG>::kBytes] | tokens [nbuf][seg][NT][kTileStepWords] u32 | chunk sums [nchunks][R][32][4 NT]
-//   f32 (C > 1 only) | grouped tile list [E + 1] int | (ids given) sorted offsets [E + 1] int, rows [n_ids] int
+//   f32 (C > 1 only) | grouped tile list [E + 1] int
 struct Layout {
   int ring, tokens, sums, tiles;  // byte offsets
   int buf_words;                  // u32 words of one token buffer
@@ -511,12 +412,6 @@ struct Occupancy {
   static constexpr int kThreads = kThree ? 128 : 256, kBlocks = kThree ? 3 : 1;
 };
 
-// the builds that sort the expert ids themselves (``sort_ids``): the grouped decode default
-template <int NT, bool GROUPED, bool ROWS, bool FRAG>
-struct Sorts {
-  static constexpr bool kBuilt = Occupancy<NT, GROUPED, ROWS, FRAG>::kThree;
-};
-
 template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
 __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
                                   Occupancy<NT, GROUPED, ROWS, FRAG>::kBlocks) decode_gemm_kernel(const Params p) {
@@ -565,18 +460,13 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
   constexpr int kCodeStep = FRAG ? 16 * kStepBytes : kStepBytes;
 
   int* tile_start = reinterpret_cast<int*>(smem + L.tiles);
-  // the CTA's own sort, if it makes one (built into the grouped decode default only: the other builds keep their
-  // registers)
-  int* soff = Sorts<NT, GROUPED, ROWS, FRAG>::kBuilt && p.ids != nullptr ? tile_start + p.E + 1 : nullptr;
-  const int* srows = soff != nullptr ? soff + p.E + 1 : nullptr;
   // PDL: nothing the previous kernel may write is read (nor anything written) before its writes are visible.
   // Grouped: the tiles come from the expert offsets, so wait first; dense: the ring's first D - 1 weight steps
   // (the weight is no kernel's output) stream in while the previous kernel finishes, then wait
   bool waited = !p.pdl;
   if (GROUPED && !waited) pdl_wait(waited, p.pdl == 1);
   if (GROUPED) {
-    if (soff != nullptr) sort_ids(p, reinterpret_cast<int*>(smem + L.ring), soff, soff + p.E + 1, W, warp, lane);
-    if (warp == 0) scan_tiles<NT>(p, soff, tile_start, lane);
+    if (warp == 0) scan_tiles<NT>(p, tile_start, lane);
     __syncthreads();
   }
   const int n_tiles = GROUPED ? tile_start[p.E] : (p.M + 8 * NT - 1) / (8 * NT);
@@ -609,8 +499,8 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     const float* gw = p.gw;
     if (GROUPED) {
       const int e = expert_of(tile_start, p.E, tile);
-      m0 = static_cast<int>(offset_at(p, soff, e)) + (tile - tile_start[e]) * 8 * NT;
-      m_end = min(static_cast<int>(offset_at(p, soff, e + 1)), m0 + 8 * NT);
+      m0 = static_cast<int>(offset_at(p, e)) + (tile - tile_start[e]) * 8 * NT;
+      m_end = min(static_cast<int>(offset_at(p, e + 1)), m0 + 8 * NT);
       wc += e * p.w_estride_c;
       ws += e * p.w_estride_s;
       gw += e * p.gw_estride;
@@ -671,7 +561,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int m = m0 + 8 * jt + 2 * t + h;
-        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row<GROUPED>(p, srows, m) : 0] : 0.0f;
+        ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row<GROUPED>(p, m) : 0] : 0.0f;
       }
 
     // token segment 0, then the next segments' units in registers while a segment computes
@@ -680,7 +570,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = threadIdx.x + i * blockDim.x;
-      if (u < units) load_tokens<NT, GROUPED>(tu[i], p, srows, u, m0, m_end, 0, min(p.seg, nsteps));
+      if (u < units) load_tokens<NT, GROUPED>(tu[i], p, u, m0, m_end, 0, min(p.seg, nsteps));
     }
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
@@ -695,7 +585,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
       for (int i = 0; i < kUnits; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
-        if (u < units) load_tokens<NT, GROUPED>(tu[i], p, srows, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
+        if (u < units) load_tokens<NT, GROUPED>(tu[i], p, u, m0, m_end, s1, min(s1 + p.seg, nsteps));
       }
     };
     // (warps reach a switch from different places, their runs or the tail below: a non-aligned barrier)
@@ -874,12 +764,7 @@ int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t 
   const int nsteps = p.K / 128;
   const int nchunks = p.chunk_log2 >= 0 ? (nsteps + (1 << p.chunk_log2) - 1) >> p.chunk_log2 : 1;
   const Layout l = layout<NT, D, FRAG>(warps, nsteps, p.seg, nchunks, p.lanes);
-  const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0) +
-                      (p.ids != nullptr ? 4 * static_cast<size_t>(p.E + 1 + p.n_ids) : 0);
-  // the sort's counters [W][E] in the ring; its ids in the warps' registers
-  if (p.ids != nullptr && (!Sorts<NT, GROUPED, ROWS, FRAG>::kBuilt || 4 * warps * p.E > l.tokens ||
-                           p.n_ids > 32 * kSortRounds * warps))
-    return -1;
+  const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
   // every segment's token units fit the registers the kernel keeps for them
   if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;
   if (warps * 32 > Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads) return -1;  // more threads than it was built for
@@ -924,7 +809,6 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
                            int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t pdl,
-                           int64_t ids, int64_t ids64, int64_t n_ids, int64_t top_k, int64_t sorted,
                            int64_t stream) {
   using namespace minite_decode;
   Params p;
@@ -957,19 +841,10 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   p.a_rows64 = static_cast<int>(a_rows64);
   p.balanced = static_cast<int>(balanced);
   p.pdl = static_cast<int>(pdl);
-  p.ids = reinterpret_cast<const void*>(ids);
-  p.ids64 = static_cast<int>(ids64);
-  p.n_ids = static_cast<int>(n_ids);
-  p.top_k = static_cast<int>(top_k);
-  p.sorted = reinterpret_cast<int64_t*>(sorted);
   const int64_t nsteps = K / 128;
-  // sorted here: ids instead of offsets and a_rows, the problem's M rows one per id
-  if (ids != 0 && (offsets != 0 || a_rows != 0 || top_k < 1 || n_ids != M || n_ids % top_k || n_experts < 1))
-    return -1;
-  const bool grouped = offsets != 0 || ids != 0;
   if (warps < 1 || warps > 8 || (warps & (warps - 1)) || lanes < 1 || warps % lanes || (lanes & (lanes - 1)) ||
       chunk_log2 < -1 || chunk_log2 > 10 || (chunk_log2 < 0 && lanes != 1) || seg < 1 || N % 16 || nsteps < 1 ||
-      (a_rows != 0 && offsets == 0) || (balanced && (!grouped || !frag || row_groups < 2)))
+      (a_rows != 0 && offsets == 0) || (balanced && (offsets == 0 || !frag || row_groups < 2)))
     return -1;
   // segments hold whole rounds of chunks (C chunks of 2^chunk_log2 steps), or all of K
   if (chunk_log2 >= 0 && seg < nsteps && seg % (lanes << chunk_log2)) return -1;
@@ -978,6 +853,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   const int rows_per_cta = 16 * static_cast<int>(warps / lanes * row_groups);
   const int grid_x = static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  const bool grouped = offsets != 0;
   return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)
                  : launch_tiles<false>(p, nt, depth, warps, grid_x, grid_y, s);
 }

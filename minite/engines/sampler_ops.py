@@ -215,13 +215,6 @@ def grouped_mm(xs: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return out
 
 
-def _codes_in_place(weights, recipe: EngineRecipe, calib: Calibrator | None) -> bool:
-    """Whether ``grouped_linear`` over NVFP4 ``weights`` quantizes the tokens once and reads their rows in place
-    (the kernel path with per-row or static activation scales: a row's codes do not depend on the others)."""
-    return (not isinstance(weights, torch.Tensor) and calib is None and recipe.gemm == "kernel"
-            and recipe.activations.scaling in ("row", "static"))
-
-
 def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: EngineRecipe, amax, name: str,
                    calib: Calibrator | None = None, valid: torch.Tensor | None = None,
                    dequantized=None, act_scale: float | None = None, rows: torch.Tensor | None = None,
@@ -239,7 +232,7 @@ def grouped_linear(xs: torch.Tensor, weights, offsets: torch.Tensor, recipe: Eng
     calibration, every path but the CPU per-expert loops reads nothing back from the device."""
     nvfp4_w = not isinstance(weights, torch.Tensor)
     kernel = nvfp4_w and calib is None and recipe.gemm == "kernel"  # one quantization, one grouped launch
-    in_place = _codes_in_place(weights, recipe, calib)
+    in_place = kernel and recipe.activations.scaling in ("row", "static")
     if silu_mode is not None and not in_place:
         xs, silu_mode = silu_mul(*xs.chunk(2, dim=-1), silu_mode), None
     if rows is not None and not in_place:
@@ -309,17 +302,12 @@ def moe(x: torch.Tensor, experts: Experts, weights: torch.Tensor, idx: torch.Ten
     (``rms_norm_for_linears``), which the gate_up GEMM reads. ``deferred_shape``: the k-sum is not taken
     here; the result is ``fused_ops.RoutedRows`` of that shape, for the next norm to take in its pass
     (``value()`` for any other reader)."""
+    perm, rows, offsets, inv = fused_ops.sort_by_expert(idx, experts.num_experts, inverse=True)  # stable, by expert
+    vrows = None if valid is None else valid[rows]
     stacked = experts.stacked if calib is None else {}
-    gate_up = stacked.get("gate_up", experts.gate_up)
-    if codes is not None and _codes_in_place(gate_up, recipe, calib):  # the sort inside the GEMM where it can be
-        h, (perm, rows, offsets, inv) = kernels.routed_grouped_nvfp4_gemm(codes, gate_up, idx, out_dtype=x.dtype)
-        vrows = None if valid is None else valid[rows]
-    else:
-        perm, rows, offsets, inv = fused_ops.sort_by_expert(idx, experts.num_experts, inverse=True)  # stable
-        vrows = None if valid is None else valid[rows]
-        h = grouped_linear(x, gate_up, offsets, recipe, experts.gate_up_amax, f"{experts.name}.gate_up", calib,
-                           vrows, lambda: experts.dequantized("gate_up"), experts.act_scale.get("gate_up"),
-                           rows=rows, codes=codes)
+    h = grouped_linear(x, stacked.get("gate_up", experts.gate_up), offsets, recipe, experts.gate_up_amax,
+                       f"{experts.name}.gate_up", calib, vrows, lambda: experts.dequantized("gate_up"),
+                       experts.act_scale.get("gate_up"), rows=rows, codes=codes)
     y = grouped_linear(h, stacked.get("down", experts.down), offsets, recipe, experts.down_amax,
                        f"{experts.name}.down", calib, vrows, lambda: experts.dequantized("down"),
                        experts.act_scale.get("down"), silu_mode=recipe.non_gemm)  # input SiLU(gate) * up
