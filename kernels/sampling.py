@@ -253,4 +253,3 @@ def step_inputs(pos, slots, tokens, uniform, max_pos: int, backend: str | None =
                                        EMBED=embed is not None, TABLE=table is not None, num_warps=4,
                                        **_backend.pdl_meta(_step_inputs_kernel, pos.device))
     return out
-
