@@ -2,6 +2,8 @@
 running batch without changing any sequence, trainer == sampler bit for bit in the aligned arm, large
 vocabularies, in-place weight updates; on the GPU, graph == eager bit for bit for every arm."""
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from test_sampler import PROMPTS, make_sampler, tiny_hf_model
 
 from minite.engines import sampler_ops as ops
 from minite.engines.arms import load_arm
-from minite.engines.decode_graphs import capture_sizes, padded_size
+from minite.engines.decode_graphs import DecodeRunner, DecodeState, capture_sizes, gc_paused, padded_size
 from minite.engines.models import load_model_config
 from minite.engines.sampler import Sampler
 from minite.engines.sampler_weights import build_sampler_weights
@@ -32,6 +34,62 @@ def test_capture_sizes():
     assert [padded_size(n, capture_sizes(64)) for n in (1, 3, 5, 17, 33, 64)] == [1, 4, 8, 24, 48, 64]
     with pytest.raises(ValueError, match="exceed"):
         padded_size(65, capture_sizes(64))
+
+
+class _Cycle:
+    def __init__(self, payload=None):
+        self.payload, self.me = payload, self
+
+
+def test_gc_paused_collects_first_and_restores_the_collector():
+    enabled = gc.isenabled()
+    try:
+        for start in (True, False):
+            (gc.enable if start else gc.disable)()
+            dead = weakref.ref(_Cycle())  # garbage only a collection frees
+            with gc_paused():
+                assert dead() is None and not gc.isenabled()
+            assert gc.isenabled() == start
+            with pytest.raises(RuntimeError), gc_paused():
+                raise RuntimeError
+            assert gc.isenabled() == start
+    finally:
+        (gc.enable if enabled else gc.disable)()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_survives_dropped_graphs_in_a_reference_cycle():
+    """A dropped runner's graphs wait in a reference cycle (as a dropped sampler's do) while new ones are
+    captured; a collection during that capture would destroy them and invalidate it. Here one is forced
+    inside the capture, where the automatic collector must also be off."""
+    st = DecodeState(4, 8, "cuda")
+    seen = []
+
+    def step(b, mode, capture):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+            gc.collect()
+        st.logprobs[:b, 0] += 1.0
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        old = DecodeRunner(step, st, 4, cuda_graphs=True)
+        old.prepare("greedy")
+        dropped = weakref.ref(_Cycle(old))
+        del old
+        assert dropped() is not None
+        new = DecodeRunner(step, st, 4, cuda_graphs=True)
+        new.prepare("greedy")
+    finally:
+        (gc.enable if enabled else gc.disable)()
+    assert dropped() is None and seen and not any(seen)
+    st.logprobs.zero_()
+    new.start([0, 1, 2], torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    new.step("greedy")
+    assert new.graphs and st.logprobs[:4, 0].tolist() == [1.0] * 4
+    torch.randn(8, device="cuda")  # the generator is out of capture mode
 
 
 def _run_step_fake(s):

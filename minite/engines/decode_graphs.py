@@ -19,9 +19,13 @@ between steps, never inside one.
 Capture (per sampling mode, all sizes largest first into one shared memory pool): each size runs once on a
 side stream first (Triton compiles, kernel configs get probed), with every row on the dummy slot. Without
 CUDA (or with graphs off) ``step`` runs the same function eagerly at the same padded sizes, so graph and
-eager paths compute the same bits.
+eager paths compute the same bits. Python's garbage collector is paused while graphs are captured
+(``gc_paused``).
 """
 from __future__ import annotations
+
+import contextlib
+import gc
 
 import torch
 
@@ -44,6 +48,23 @@ def padded_size(n: int, sizes: list[int]) -> int:
         if s >= n:
             return s
     raise ValueError(f"{n} rows exceed the largest batch size {sizes[-1]}")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Collect once, then no automatic garbage collection until the block ends (as Transformer Engine and
+    vLLM capture). ``torch.cuda.graph`` stopped collecting before a capture in torch 2.9, so a collection that
+    fires during one can free an older graph held only by a reference cycle (a dropped sampler: its engine and
+    runner refer to each other); destroying a graph while a stream captures invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``) and leaves the CUDA generator in its capture state."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeState:
@@ -111,6 +132,10 @@ class DecodeRunner:
             raise ValueError(f"decode mode {mode!r}: expected one of {MODES}")
         if not self.cuda_graphs or (mode, self.sizes[0]) in self.graphs:
             return
+        with gc_paused():
+            self._capture(mode)
+
+    def _capture(self, mode: str) -> None:
         pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its blocks in the shared pool
             self._park(0, b)
