@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from minite.kernels import attention as A
 
 from minite.engines import attention as engine_attention
+from minite.engines.decode_graphs import gc_paused
 
 
 def _cache(slots, hkv, s, d, device="cpu", seed=0, layers=None):
@@ -314,7 +315,7 @@ def test_gpu_decode_cuda_graph_replay_equals_eager(numerics):
     q, kc, vc, ids, lens = _gpu_decode_case(16, 32, 4, 128, 1024, seed=3)
     out = A.decode_attention(q, kc, vc, ids, lens, 128 ** -0.5, numerics, splits=4)  # warm up (compile)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         out = A.decode_attention(q, kc, vc, ids, lens, 128 ** -0.5, numerics, splits=4)
     for seed in (5, 6):  # new queries, slots and lengths in the same buffers
         q2, _, _, ids2, lens2 = _gpu_decode_case(16, 32, 4, 128, 1024, seed=seed)

@@ -6,6 +6,7 @@ import torch
 from minite.kernels import _probe, hp_gemm
 from minite.kernels.hp_gemm import invariant_gemm, reference_gemm
 
+from minite.engines.decode_graphs import gc_paused
 from minite.engines.gemm import hp_linear
 
 
@@ -177,7 +178,7 @@ def test_gpu_cuda_graph_capture():
     x, w = _xw(16, 151936, 2048, device="cuda", seed=8)
     y = invariant_gemm(x, w)  # first use: compile + probe, outside the capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         out = invariant_gemm(x, w)
     x.copy_(_xw(16, 151936, 2048, device="cuda", seed=9)[0])
     graph.replay()

@@ -6,6 +6,8 @@ import pytest
 import torch
 from minite.kernels import routing as R
 
+from minite.engines.decode_graphs import gc_paused
+
 
 def _logits(t, e, kind, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
@@ -140,7 +142,7 @@ def test_gpu_route_replays_in_a_graph():
     x = _logits(64, 128, "ties", 5, "cuda")
     want = R.route(x, 8, True, "hf", torch.bfloat16)  # probed and compiled before the capture
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with gc_paused(), torch.cuda.graph(g):
         got = R.route(x, 8, True, "hf", torch.bfloat16)
     x.copy_(_logits(64, 128, "bf16", 6, "cuda"))
     g.replay()

@@ -5,6 +5,8 @@ import pytest
 import torch
 from minite.kernels import sampling as S
 
+from minite.engines.decode_graphs import gc_paused
+
 
 def _f64_interval(logits, temperature, tok):
     """(lower, upper) cumulative probability of ``tok`` in float64, per row."""
@@ -98,7 +100,7 @@ def test_gpu_kernel_draws_valid_tokens_on_a_real_vocabulary_and_replays_in_a_gra
     assert (tok == ref).float().mean().item() > 0.95
     out = torch.empty_like(tok)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         out.copy_(S.sample_tokens(logits, t, u))
     u.copy_(torch.rand(64, device="cuda"))
     graph.replay()
