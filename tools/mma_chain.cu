@@ -130,23 +130,35 @@ __global__ void wgmma_latency(float* out, long long* cycles) {
 
 // ------------------------------------------------------------------------------------------------ bits
 // w: [ROWS][K] weight rows, x: [TOKENS][K] tokens (both K-contiguous); c: [ROWS][TOKENS].
+// The A fragment of rows r0..r0+15 at k0..k0+15 (m16n8k16 layout; wgmma's per warp of its warpgroup), and
+// the matching 16 x 8 accumulator's store.
+__device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const half* w, int r0, int k0, int g, int t) {
+    const half* lo = w + (r0 + g) * K + k0 + 2 * t;
+    const half* hi = lo + 8 * K;
+    a[0] = pack(lo[0], lo[1]);
+    a[1] = pack(hi[0], hi[1]);
+    a[2] = pack(lo[8], lo[9]);
+    a[3] = pack(hi[8], hi[9]);
+}
+__device__ __forceinline__ void store_d(float* c, const float (&d)[4], int r0, int g, int t) {
+    c[(r0 + g) * TOKENS + 2 * t] = d[0];
+    c[(r0 + g) * TOKENS + 2 * t + 1] = d[1];
+    c[(r0 + g + 8) * TOKENS + 2 * t] = d[2];
+    c[(r0 + g + 8) * TOKENS + 2 * t + 1] = d[3];
+}
+
 // (i) mma.sync, weights as A: warp r takes rows 16r..16r+15, one chain over K.
 __global__ void bits_mma_weights_a(const half* w, const half* x, float* c) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     float d[4] = {};
     for (int k0 = 0; k0 < K; k0 += 16) {
-        uint32_t a[4] = {pack(w[(r0 + g) * K + k0 + 2 * t], w[(r0 + g) * K + k0 + 2 * t + 1]),
-                         pack(w[(r0 + g + 8) * K + k0 + 2 * t], w[(r0 + g + 8) * K + k0 + 2 * t + 1]),
-                         pack(w[(r0 + g) * K + k0 + 2 * t + 8], w[(r0 + g) * K + k0 + 2 * t + 9]),
-                         pack(w[(r0 + g + 8) * K + k0 + 2 * t + 8], w[(r0 + g + 8) * K + k0 + 2 * t + 9])};
+        uint32_t a[4];
+        a_fragment(a, w, r0, k0, g, t);
         uint32_t b0 = pack(x[g * K + k0 + 2 * t], x[g * K + k0 + 2 * t + 1]);
         uint32_t b1 = pack(x[g * K + k0 + 2 * t + 8], x[g * K + k0 + 2 * t + 9]);
         mma16816(d, a, b0, b1);
     }
-    c[(r0 + g) * TOKENS + 2 * t] = d[0];
-    c[(r0 + g) * TOKENS + 2 * t + 1] = d[1];
-    c[(r0 + g + 8) * TOKENS + 2 * t] = d[2];
-    c[(r0 + g + 8) * TOKENS + 2 * t + 1] = d[3];
+    store_d(c, d, r0, g, t);
 }
 
 // (ii) mma.sync, tokens as A (rows 8..15 zero), weights as B: warp r takes weight rows 8r..8r+7 (8 warps).
@@ -177,10 +189,8 @@ __global__ void bits_wgmma(const half* w, const half* x, float* c) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     float d[4] = {};
     for (int k0 = 0; k0 < K; k0 += 16) {
-        uint32_t a[4] = {pack(w[(r0 + g) * K + k0 + 2 * t], w[(r0 + g) * K + k0 + 2 * t + 1]),
-                         pack(w[(r0 + g + 8) * K + k0 + 2 * t], w[(r0 + g + 8) * K + k0 + 2 * t + 1]),
-                         pack(w[(r0 + g) * K + k0 + 2 * t + 8], w[(r0 + g) * K + k0 + 2 * t + 9]),
-                         pack(w[(r0 + g + 8) * K + k0 + 2 * t + 8], w[(r0 + g + 8) * K + k0 + 2 * t + 9])};
+        uint32_t a[4];
+        a_fragment(a, w, r0, k0, g, t);
         fence_operands<4>(d);
         wg_fence();
         Wgmma<8>::run(d, a, smem_desc(b + (k0 / 16) * 128, 128, 128));
@@ -189,10 +199,7 @@ __global__ void bits_wgmma(const half* w, const half* x, float* c) {
         wg_wait0();
         fence_operands<4>(d);
     }
-    c[(r0 + g) * TOKENS + 2 * t] = d[0];
-    c[(r0 + g) * TOKENS + 2 * t + 1] = d[1];
-    c[(r0 + g + 8) * TOKENS + 2 * t] = d[2];
-    c[(r0 + g + 8) * TOKENS + 2 * t + 1] = d[3];
+    store_d(c, d, r0, g, t);
 }
 
 // ------------------------------------------------------------------------------------------------ host
