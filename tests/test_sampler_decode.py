@@ -57,12 +57,30 @@ def test_gc_paused_collects_first_and_restores_the_collector():
         (gc.enable if enabled else gc.disable)()
 
 
+def test_dropped_sampler_is_freed_without_the_collector(tiny):
+    """The runner holds its engine's step weakly: dropping a sampler frees it (and, on a GPU, its graphs and
+    their memory pool) at once, not at some later collection; a runner whose engine is gone says so."""
+    cfg, model = tiny
+    s = make_sampler(load_arm("minite_nvfp4"), cfg, model)
+    s.generate(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
+    runner, dead = s._runner, weakref.ref(s)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del s
+        assert dead() is None
+    finally:
+        (gc.enable if enabled else gc.disable)()
+    with pytest.raises(RuntimeError, match="freed"):
+        runner.step("greedy")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_capture_survives_dropped_graphs_in_a_reference_cycle():
-    """A dropped runner's graphs wait in a reference cycle (as a dropped sampler's do) while new ones are
-    captured; a collection during that capture would destroy them and invalidate it. Here one is forced
-    inside the capture, where the automatic collector must also be off."""
+    """A dropped runner's graphs wait in a reference cycle while new ones are captured; a collection during
+    that capture would destroy them and invalidate it. Here one is forced inside the capture, where the
+    automatic collector must also be off."""
     st = DecodeState(4, 8, "cuda")
     seen = []
 

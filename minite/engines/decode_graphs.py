@@ -20,12 +20,14 @@ Capture (per sampling mode, all sizes largest first into one shared memory pool)
 side stream first (Triton compiles, kernel configs get probed), with every row on the dummy slot. Without
 CUDA (or with graphs off) ``step`` runs the same function eagerly at the same padded sizes, so graph and
 eager paths compute the same bits. Python's garbage collector is paused while graphs are captured
-(``gc_paused``).
+(``gc_paused``), and the runner holds its engine's step weakly, so a dropped engine frees its graphs at once.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
+import weakref
 
 import torch
 
@@ -54,8 +56,8 @@ def padded_size(n: int, sizes: list[int]) -> int:
 def gc_paused():
     """Collect once, then no automatic garbage collection until the block ends (as Transformer Engine and
     vLLM capture). ``torch.cuda.graph`` stopped collecting before a capture in torch 2.9, so a collection that
-    fires during one can free an older graph held only by a reference cycle (a dropped sampler: its engine and
-    runner refer to each other); destroying a graph while a stream captures invalidates the capture
+    fires during one can free an older graph held only by a reference cycle (any object of the caller's may
+    hold one); destroying a graph while a stream captures invalidates the capture
     (``cudaErrorStreamCaptureInvalidated``) and leaves the CUDA generator in its capture state."""
     enabled = gc.isenabled()
     gc.collect()
@@ -112,13 +114,23 @@ class DecodeRunner:
     buffer order."""
 
     def __init__(self, step_fn, state: DecodeState, max_batch: int, cuda_graphs: bool):
-        self.step_fn, self.state = step_fn, state
+        # an engine's bound method is held weakly: the engine owns its runner, and a strong reference back would
+        # be a cycle that only the garbage collector frees, with the graphs and their memory pool in it
+        self._step_ref = weakref.WeakMethod(step_fn) if inspect.ismethod(step_fn) else (lambda: step_fn)
+        self.state = state
         self.sizes = capture_sizes(max_batch)
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.rows: list[int] = []
         self.size = 0
+
+    @property
+    def step_fn(self):
+        fn = self._step_ref()
+        if fn is None:
+            raise RuntimeError("the engine this decode runner steps has been freed")
+        return fn
 
     # -------------------------------------------------------------------------------------------- graphs
     def drop_graphs(self) -> None:
