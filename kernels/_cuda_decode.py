@@ -33,7 +33,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
                            int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t pdl,
-                           int64_t ta, int64_t stream);
+                           int64_t stream);
 """
 _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEPTHS = (4, 8, 16)     # cp.async ring depths compiled in (the ring runs D - 3 steps ahead of the decode)
@@ -72,9 +72,9 @@ def supports(k: int, n: int, a, w_codes: torch.Tensor, w_scales: torch.Tensor) -
             and w_scales.data_ptr() % 8 == 0 and a.scales.data_ptr() % 2 == 0)
 
 
-def units_per_thread(nt: int, ta: bool = False) -> int:
+def units_per_thread(nt: int) -> int:
     """Token units a thread holds in registers for the next segment (``TokenBudget`` in the kernel)."""
-    return 8 if ta else 2 if nt >= 4 else 4
+    return 2 if nt >= 4 else 4
 
 
 def lanes_for(cfg: dict, nsteps: int, chunk_steps: int) -> int:
@@ -114,7 +114,7 @@ def segment(cfg: dict, nsteps: int, chunk_steps: int, lanes: int, smem_limit: in
     whole number of rounds (lanes x chunk); then smaller ones until the launch fits ``smem_limit`` bytes.
     Raises ValueError when none does."""
     nt, warps = cfg["NT"], cfg["W"]
-    cap = units_per_thread(nt, cfg.get("TA", 0)) * warps // nt  # steps whose units (32 nt each) fit the registers
+    cap = units_per_thread(nt) * warps // nt  # steps whose units (32 nt each) fit the CTA's registers
     unit = lanes * chunk_steps if chunk_steps else 1
     first = nsteps if nsteps <= cap else min(cfg.get("SEG", 0) or cap, cap) // unit * unit
     for seg in [first] + [i * unit for i in range((first - 1) // unit, 0, -1)]:
@@ -135,11 +135,9 @@ def smem_limit(device_index: int) -> int:
 def _check(cfg: dict) -> tuple[int, int, int]:
     nt, depth, warps = cfg["NT"], cfg["D"], cfg["W"]
     lanes = cfg.get("C", 1)
-    ta = cfg.get("TA", 0)
     if (nt not in TILES or depth not in DEPTHS or warps not in (1, 2, 4, 8) or lanes not in LANES
             or warps % lanes or units_per_thread(nt) * warps < nt or cfg.get("RG", 1) not in ROW_GROUPS
-            or cfg.get("BAL", 0) not in (0, 1) or ta not in (0, 1)
-            or (ta and (nt != 2 or depth != 8 or warps < 2 or lanes != 1 or cfg.get("RG", 1) != 1))):
+            or cfg.get("BAL", 0) not in (0, 1)):
         raise ValueError(f"bad CUDA decode GEMM config {cfg}")
     return nt, depth, warps
 
@@ -175,7 +173,7 @@ def _call(mod, a, w_codes, w_scales, ga, gw, bias, out, m, n, k, cfg, grid_y, ch
         int(gw.dim() >= (2 if offsets is not None else 1)), _OUT_KIND[out.dtype], nt, depth, warps, seg,
         chunk_log2(chunk // STEP_K), lanes, rg, grid_y, offs, offs64, n_experts, *strides, int(frag),
         0 if rows is None else rows.data_ptr(), int(rows is not None and rows.dtype == torch.int64),
-        int(balanced), PDL_MODE if _backend.pdl_on(out.device) else 0, int(cfg.get("TA", 0)),
+        int(balanced), PDL_MODE if _backend.pdl_on(out.device) else 0,
         torch.cuda.current_stream(out.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"CUDA decode GEMM launch failed (code {rc}) for config {cfg}")
@@ -192,8 +190,6 @@ def dense(mod, a, w, out, bias, cfg: dict, chunk: int = 0, frag: torch.Tensor | 
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid_y = -(-m // (TOKENS_PER_TILE * cfg["NT"]))
     use = frag is not None and cfg["D"] in FRAG_DEPTHS
-    if cfg.get("TA") and (not use or chunk):  # tokens as A reads fragment-order codes under one chain only
-        cfg = {key: v for key, v in cfg.items() if key != "TA"}
     shape = plan(cfg, k, chunk, out.device.index, frag=use)
     return _call(mod, a, frag if use else w.codes, w.scales, ga, gw, b32, out, m, n, k, cfg, grid_y, chunk, shape,
                  frag=use)

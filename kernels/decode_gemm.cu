@@ -32,12 +32,6 @@
 //   * the token fragments are decoded once per CTA per segment of steps into shared memory (all of K when it
 //     fits: then no barrier in the main loop) and read back with conflict-free 16-byte loads;
 //   * the epilogue's scales and bias are loaded before the main loop (off the tail's critical path).
-// Tokens as the mma's A (TA; dense, fragment-order codes, one chain, no row groups in sequence, 16 token rows
-// a tile): the same products in the same K order with the operands' roles swapped (16 tokens as the M side,
-// 8 weight rows as the n8 side), which the H200 sums to the same bits (tools/mma_chain.cu). Each 16-row group's
-// steps are run by two warps, one per 8-row half (both copy the group's step into their own ring; each gathers
-// and decodes only its half's words): half the decode per warp and twice the warps at few tokens, and up to 16
-// tokens in one chain. The token fragments are then stored as the A operand's register quads (``a_index``).
 // Weight codes in fragment order (FRAG, ``weights.fragment_order``): stored per 16-row group and K step as the
 // 1 KB a warp's step reads, lane l's 32 bytes being the eight words it gathers (at 16 l and 512 + 16 l,
 // conflict-free 16-byte loads): one contiguous read per step and two shared loads per lane instead of 16
@@ -114,11 +108,10 @@ __device__ __forceinline__ int64_t a_row(const Params& p, int m) {
 }
 
 // token units (row, step, piece: 16 code bytes + 2 scale bytes) a thread holds in registers while the next
-// segment's fragments are fetched; the launcher sizes segments so that a segment's units fit (TA builds keep
-// fewer weight registers: twice the units, so K = 2048 stays resident at 4 warps)
-template <int NT, bool TA = false>
+// segment's fragments are fetched; the launcher sizes segments so that a segment's units fit
+template <int NT>
 struct TokenBudget {
-  static constexpr int kUnitsPerThread = TA ? 8 : NT >= 4 ? 2 : 4;
+  static constexpr int kUnitsPerThread = NT >= 4 ? 2 : 4;
 };
 
 // Decoding, four code bytes at a time. A word x holds bytes B0..B3; each byte is an even-K element (low
@@ -202,18 +195,9 @@ __device__ __forceinline__ void gather_frag(const uint8_t* slot, int g, int lane
   for (int r = 0; r < 2; ++r) d.sc[r] = *reinterpret_cast<const uint2*>(slot + Slot<true>::kScales + (g + 8 * r) * 8);
 }
 
-// TA: only the words of my 8-row half h (rows 8 h + g), into x[pc][0], and that row's scales into sc[0]
-__device__ __forceinline__ void gather_frag_half(const uint8_t* slot, int g, int lane, int h, StepWords& d) {
-  const uint32_t* lo = reinterpret_cast<const uint32_t*>(slot + 16 * lane) + h;
-  const uint32_t* hi = reinterpret_cast<const uint32_t*>(slot + kFragHalf + 16 * lane) + h;
-  d.x[0][0] = lo[0], d.x[1][0] = lo[2], d.x[2][0] = hi[0], d.x[3][0] = hi[2];
-  d.sc[0] = *reinterpret_cast<const uint2*>(slot + Slot<true>::kScales + (g + 8 * h) * 8);
-}
-
-template <bool FRAG, bool TA>
-__device__ __forceinline__ void gather_step(const uint8_t* slot, int g, int t, int lane, int h, StepWords& d) {
-  if (TA) gather_frag_half(slot, g, lane, h, d);
-  else if (FRAG) gather_frag(slot, g, lane, d);
+template <bool FRAG>
+__device__ __forceinline__ void gather_step(const uint8_t* slot, int g, int t, int lane, StepWords& d) {
+  if (FRAG) gather_frag(slot, g, lane, d);
   else gather(slot, g, t, d);
 }
 
@@ -246,23 +230,6 @@ __device__ __forceinline__ void decode_step(const StepWords& w, uint32_t (&a)[8]
         a[4 + pc][2 + r] = scaled(pair23(hi), s_b);
       }
     }
-  }
-}
-
-// TA: B fragments of my half's row g: [piece][b0 (positions 2t, 2t+1), b1 (positions 2t+8, 2t+9)], the same
-// pairs decode_step puts in a[piece][r] and a[piece][2 + r]
-__device__ __forceinline__ void decode_step_half(const StepWords& w, uint32_t (&b)[8][2]) {
-  __half2 sc[4];
-  scale_pairs(w.sc[0].x, sc[0], sc[1]);
-  scale_pairs(w.sc[0].y, sc[2], sc[3]);
-#pragma unroll
-  for (int pc = 0; pc < 4; ++pc) {
-    const __half s_a = __low2half(sc[pc]), s_b = __high2half(sc[pc]);
-    const uint32_t x = w.x[pc][0];
-    b[pc][0] = scaled(frag_evens01(x), s_a);
-    b[pc][1] = scaled(frag_evens23(x), s_b);
-    b[4 + pc][0] = scaled(frag_odds01(x), s_a);
-    b[4 + pc][1] = scaled(frag_odds23(x), s_b);
   }
 }
 
@@ -299,13 +266,7 @@ __device__ __forceinline__ void load_tokens(TokenUnit& u, const Params& p, int u
   }
 }
 
-// TA: [step in segment][piece][lane][4]: a piece's A quad {token g, token g + 8} x {positions 2t, 2t+1 | 2t+8,
-// 2t+9}, word j + 2 r for token 8 j + g and fragment register r: one 16-byte load per piece and lane
-__device__ __forceinline__ int a_index(int sl, int piece, int lane, int w) {
-  return (((sl * 8 + piece) * 32 + lane) << 2) + w;
-}
-
-template <int NT, bool TA = false>
+template <int NT>
 __device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, int unit) {
   const int piece = unit & 3;
   const int m = (unit >> 2) % (8 * NT);
@@ -321,17 +282,10 @@ __device__ __forceinline__ void store_tokens(const TokenUnit& u, uint32_t* buf, 
     const uint32_t x = join16((w[t >> 1] >> ((t & 1) * 16)) & 0xFFFFu, (w[2 + (t >> 1)] >> ((t & 1) * 16)) & 0xFFFFu);
     const uint32_t lo = low_nibbles(x), hi = high_nibbles(x);
     const int lane = g * 4 + t;
-    if (TA) {
-      buf[a_index(sl, piece, lane, j)] = scaled(pair01(lo), s_a);
-      buf[a_index(sl, piece, lane, j + 2)] = scaled(pair23(lo), s_b);
-      buf[a_index(sl, 4 + piece, lane, j)] = scaled(pair01(hi), s_a);
-      buf[a_index(sl, 4 + piece, lane, j + 2)] = scaled(pair23(hi), s_b);
-    } else {
-      *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, piece, lane, 0)) =
-          make_uint2(scaled(pair01(lo), s_a), scaled(pair23(lo), s_b));
-      *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, 4 + piece, lane, 0)) =
-          make_uint2(scaled(pair01(hi), s_a), scaled(pair23(hi), s_b));
-    }
+    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, piece, lane, 0)) =
+        make_uint2(scaled(pair01(lo), s_a), scaled(pair23(lo), s_b));
+    *reinterpret_cast<uint2*>(buf + b_index<NT>(sl, j, 4 + piece, lane, 0)) =
+        make_uint2(scaled(pair01(hi), s_a), scaled(pair23(hi), s_b));
   }
 }
 
@@ -458,24 +412,16 @@ struct Occupancy {
   static constexpr int kThreads = kThree ? 128 : 256, kBlocks = kThree ? 3 : 1;
 };
 
-// one weight step's fragments in the register pipeline: A fragments of 16 rows, or B fragments of 8 (TA)
-template <bool FRAG, bool TA, int REGS>
-__device__ __forceinline__ void decode_weights(const StepWords& w, uint32_t (&a)[8][REGS]) {
-  if constexpr (TA) decode_step_half(w, a);
-  else decode_step<FRAG>(w, a);
-}
-
-template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG, bool TA = false>
+template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
 __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
                                   Occupancy<NT, GROUPED, ROWS, FRAG>::kBlocks) decode_gemm_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int kUnits = TokenBudget<NT, TA>::kUnitsPerThread;
+  constexpr int kUnits = TokenBudget<NT>::kUnitsPerThread;
   const int W = blockDim.x >> 5;
-  const int C = p.lanes, R = W / C / (TA ? 2 : 1);  // row groups of 16 per CTA (TA: two warps each)
+  const int C = p.lanes, R = W / C;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int rg = TA ? warp >> 1 : warp / C, c = TA ? 0 : warp - rg * C;
-  const int hr = TA ? warp & 1 : 0;  // TA: my 8-row half of the row group
+  const int rg = warp / C, c = warp - rg * C;
   const int nsteps = p.K >> 7;
   const size_t kh = p.K >> 1, ks = p.K >> 4;
   const bool chunked = p.chunk_log2 >= 0;
@@ -614,7 +560,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
     for (int jt = 0; jt < NT; ++jt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int m = TA ? m0 + g + 8 * h : m0 + 8 * jt + 2 * t + h;  // TA: tokens g, g + 8 (jt 0 read)
+        const int m = m0 + 8 * jt + 2 * t + h;
         ga_m[jt][h] = m < m_end ? p.ga[p.ga_row ? a_row<GROUPED>(p, m) : 0] : 0.0f;
       }
 
@@ -629,7 +575,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = threadIdx.x + i * blockDim.x;
-      if (u < units) store_tokens<NT, TA>(tu[i], tokens, u);
+      if (u < units) store_tokens<NT>(tu[i], tokens, u);
     }
     __syncthreads();
 
@@ -648,7 +594,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
       for (int i = 0; i < kUnits; ++i) {
         const int u = threadIdx.x + i * blockDim.x;
-        if (u < units) store_tokens<NT, TA>(tu[i], next, u);
+        if (u < units) store_tokens<NT>(tu[i], next, u);
       }
       asm volatile("barrier.sync 0;\n" ::: "memory");
       seg_s0 += p.seg;
@@ -661,59 +607,49 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 
     // register pipeline: fragments of my step j (a), words of step j + 1 (w), gathered a step before they
     // are decoded, so the decode of step j + 1 has its inputs when step j's mma chain starts
-    constexpr int kFragRegs = TA ? 2 : 4;
-    uint32_t a0[8][kFragRegs], a1[8][kFragRegs];
+    uint32_t a0[8][4], a1[8][4];
     StepWords w0, w1;
     {
       cp_async_wait<D - 3>();  // my steps 0 and 1 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
-      gather_step<FRAG, TA>(ring, g, t, lane, hr, w1);
-      decode_weights<FRAG, TA>(w1, a0);
-      gather_step<FRAG, TA>(ring + kSlot, g, t, lane, hr, w0);
+      gather_step<FRAG>(ring, g, t, lane, w1);
+      decode_step<FRAG>(w1, a0);
+      gather_step<FRAG>(ring + kSlot, g, t, lane, w0);
     }
 
     // my step j, K step with token fragments at b: refill the slot of step j - 1 with step j + D - 1, gather
     // step j + 2, and decode step j + 1 while step j's mma chain runs on the fragments decoded one step ago
     // (the slot refilled was gathered two steps ago, before the last __syncwarp: no lane still reads it)
-    auto step = [&](const uint32_t (&a)[8][kFragRegs], uint32_t (&a_next)[8][kFragRegs], const StepWords& w,
-                    StepWords& w_next, const uint32_t* b, int j) {
+    auto step = [&](const uint32_t (&a)[8][4], uint32_t (&a_next)[8][4], const StepWords& w, StepWords& w_next,
+                    const uint32_t* b, int j) {
       issue_next();
       cp_async_wait<D - 3>();  // my steps <= j + 2 landed (this lane's copies) ...
       __syncwarp();            // ... for every lane
       // stale (unused) past my last step
-      gather_step<FRAG, TA>(ring + ((j + 2) & (D - 1)) * kSlot, g, t, lane, hr, w_next);
-      if constexpr (TA) {  // each piece: the tokens' A quad (one 16-byte load), my rows' B fragment
+      gather_step<FRAG>(ring + ((j + 2) & (D - 1)) * kSlot, g, t, lane, w_next);
 #pragma unroll
-        for (int pc = 0; pc < 8; ++pc) {
-          const uint4 aq = *reinterpret_cast<const uint4*>(b + a_index(0, pc, 0, 0));
-          mma16816(part[0], reinterpret_cast<const uint32_t*>(&aq), a[pc][0], a[pc][1]);
-        }
-      } else {
+      for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {  // 0: the evens pieces, 1: the odds pieces
+        for (int q = 0; q < 2; ++q) {  // pieces (2q, 2q + 1) of each n8 tile: one conflict-free 16-byte load
+          uint4 bq[NT];
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {  // pieces (2q, 2q + 1) of each n8 tile: one conflict-free 16-byte load
-            uint4 bq[NT];
+          for (int jt = 0; jt < NT; ++jt)
+            bq[jt] = *reinterpret_cast<const uint4*>(b + b_index<NT>(0, jt, half * 4 + 2 * q, 0, 0));
 #pragma unroll
-            for (int jt = 0; jt < NT; ++jt)
-              bq[jt] = *reinterpret_cast<const uint4*>(b + b_index<NT>(0, jt, half * 4 + 2 * q, 0, 0));
-#pragma unroll
-            for (int jt = 0; jt < NT; ++jt) {
-              mma16816(part[jt], a[half * 4 + 2 * q], bq[jt].x, bq[jt].y);
-              mma16816(part[jt], a[half * 4 + 2 * q + 1], bq[jt].z, bq[jt].w);
-            }
+          for (int jt = 0; jt < NT; ++jt) {
+            mma16816(part[jt], a[half * 4 + 2 * q], bq[jt].x, bq[jt].y);
+            mma16816(part[jt], a[half * 4 + 2 * q + 1], bq[jt].z, bq[jt].w);
           }
         }
       }
-      decode_weights<FRAG, TA>(w, a_next);
+      decode_step<FRAG>(w, a_next);
     };
 
     int j = 0;
 #pragma unroll 1
     for (int i = 0; i < nrg; ++i) {  // my row groups (one with chunks or token segments)
       // epilogue operands now: their loads overlap the main loop instead of ending the row group
-      // the weight rows of my outputs: g and g + 8 of the row group, or (TA) 2t and 2t + 1 of my half
-      const int n_a = TA ? row0 + 8 * hr + 2 * t : row0 + i * row_pitch + g, n_b = TA ? n_a + 1 : n_a + 8;
+      const int n_a = row0 + i * row_pitch + g, n_b = n_a + 8;
       const float gw_a = gw[p.gw_row ? n_a : 0], gw_b = gw[p.gw_row ? n_b : 0];
       const float bias_a = has_bias ? p.bias[n_a] : 0.0f, bias_b = has_bias ? p.bias[n_b] : 0.0f;
 #pragma unroll
@@ -750,7 +686,7 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 #pragma unroll
           for (int pc = 0; pc < 8; ++pc)
 #pragma unroll
-            for (int r = 0; r < kFragRegs; ++r) a0[pc][r] = a1[pc][r];
+            for (int r = 0; r < 4; ++r) a0[pc][r] = a1[pc][r];
           w0 = w1;
         }
         if (chunked) {  // the chunk's sum: into the running total (one lane) or shared memory (C lanes)
@@ -796,18 +732,16 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
       }
 
       if (active && c == 0) {
-        // total[jt]: c0, c1 = (weight row g, tokens 8jt + 2t, +1); c2, c3 = (weight row g + 8, same tokens);
-        // TA, total[0]: c0, c1 = (token g, weight rows 2t, 2t + 1 of my half); c2, c3 = (token g + 8, same rows)
+        // total[jt]: c0, c1 = (weight row g, tokens 8jt + 2t, +1); c2, c3 = (weight row g + 8, same tokens)
 #pragma unroll
-        for (int jt = 0; jt < (TA ? 1 : NT); ++jt) {
+        for (int jt = 0; jt < NT; ++jt) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            const int m = TA ? m0 + g + 8 * (r >> 1) : m0 + 8 * jt + 2 * t + (r & 1);
+            const int m = m0 + 8 * jt + 2 * t + (r & 1);
             if (m >= m_end) continue;
-            const bool row_b = TA ? (r & 1) != 0 : r >= 2;
-            const int n = row_b ? n_b : n_a;
-            const float v = epilogue(total[jt][r], ga_m[jt][TA ? r >> 1 : r & 1], row_b ? gw_b : gw_a, has_bias,
-                                     row_b ? bias_b : bias_a);
+            const int n = r < 2 ? n_a : n_b;
+            const float v = epilogue(total[jt][r], ga_m[jt][r & 1], r < 2 ? gw_a : gw_b, has_bias,
+                                     r < 2 ? bias_a : bias_b);
             if (p.out_kind == 0) store_out<__nv_bfloat16>(p, m, n, v);
             else if (p.out_kind == 1) store_out<__half>(p, m, n, v);
             else store_out<float>(p, m, n, v);
@@ -824,24 +758,18 @@ __global__ void __launch_bounds__(Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads,
 }
 
 // Host side: one instantiation per (token tiles of 8 per CTA, ring depth, grouped, row groups in sequence,
-// fragment-order codes, tokens as A); returns a cudaError_t.
-template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG, bool TA = false>
+// fragment-order codes); returns a cudaError_t.
+template <int NT, int D, bool GROUPED, bool ROWS, bool FRAG>
 int launch_one(const Params& p, int warps, int grid_x, int grid_y, cudaStream_t stream) {
   const int nsteps = p.K / 128;
   const int nchunks = p.chunk_log2 >= 0 ? (nsteps + (1 << p.chunk_log2) - 1) >> p.chunk_log2 : 1;
   const Layout l = layout<NT, D, FRAG>(warps, nsteps, p.seg, nchunks, p.lanes);
   const size_t smem = static_cast<size_t>(l.tiles) + (GROUPED ? 4 * static_cast<size_t>(p.E + 1) : 0);
   // every segment's token units fit the registers the kernel keeps for them
-  if (p.seg * 32 * NT > TokenBudget<NT, TA>::kUnitsPerThread * 32 * warps) return -1;
+  if (p.seg * 32 * NT > TokenBudget<NT>::kUnitsPerThread * 32 * warps) return -1;
   if (warps * 32 > Occupancy<NT, GROUPED, ROWS, FRAG>::kThreads) return -1;  // more threads than it was built for
-  return minite_cuda::launch<decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG, TA>>(
-      p, dim3(grid_x, grid_y), dim3(warps * 32), smem, p.pdl != 0, stream);
-}
-
-// tokens as A: dense, fragment-order codes, 8-step ring, two n8 token tiles (16 tokens, the mma's M)
-int launch_ta(const Params& p, int nt, int depth, int warps, int grid_x, int grid_y, cudaStream_t stream) {
-  if (nt != 2 || depth != 8) return -1;
-  return launch_one<2, 8, false, false, true, true>(p, warps, grid_x, grid_y, stream);
+  return minite_cuda::launch<decode_gemm_kernel<NT, D, GROUPED, ROWS, FRAG>>(p, dim3(grid_x, grid_y), dim3(warps * 32),
+                                                                        smem, p.pdl != 0, stream);
 }
 
 template <int NT, bool GROUPED, bool ROWS>
@@ -881,7 +809,7 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
                            int64_t offsets64,
                            int64_t n_experts, int64_t w_estride_c, int64_t w_estride_s, int64_t gw_estride,
                            int64_t frag, int64_t a_rows, int64_t a_rows64, int64_t balanced, int64_t pdl,
-                           int64_t ta, int64_t stream) {
+                           int64_t stream) {
   using namespace minite_decode;
   Params p;
   p.a_codes = reinterpret_cast<const uint8_t*>(a_codes);
@@ -922,13 +850,9 @@ int64_t decode_gemm_launch(int64_t a_codes, int64_t a_scales, int64_t ga, int64_
   if (chunk_log2 >= 0 && seg < nsteps && seg % (lanes << chunk_log2)) return -1;
   // row groups in sequence: one chain over K, all of K's token fragments resident
   if (row_groups < 1 || (row_groups > 1 && (chunk_log2 >= 0 || seg < nsteps))) return -1;
-  // tokens as A: dense, fragment order, one chain, one row group a warp pair, two warps per row group
-  if (ta && (offsets != 0 || !frag || chunk_log2 >= 0 || row_groups != 1 || warps < 2)) return -1;
-  const int rows_per_cta = 16 * static_cast<int>(warps / lanes * row_groups) / (ta ? 2 : 1);
+  const int rows_per_cta = 16 * static_cast<int>(warps / lanes * row_groups);
   const int grid_x = static_cast<int>((N + rows_per_cta - 1) / rows_per_cta);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (ta) return launch_ta(p, static_cast<int>(nt), static_cast<int>(depth), static_cast<int>(warps), grid_x,
-                           static_cast<int>(grid_y), s);
   const bool grouped = offsets != 0;
   return grouped ? launch_tiles<true>(p, nt, depth, warps, grid_x, grid_y, s)
                  : launch_tiles<false>(p, nt, depth, warps, grid_x, grid_y, s);

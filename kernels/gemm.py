@@ -21,7 +21,7 @@ from minite.nvfp4 import NVFP4Tensor
 
 from . import _backend, _torch_gemm, blackwell
 from .weights import (DecodedNVFP4Tensor, NVFP4Experts, PreparedWeight, _check_tensor, _u8,  # noqa: F401
-                      decode_f16, decode_layout, gemm_path, prepare_experts, prepare_weight, stack_experts)
+                      decode_f16, gemm_path, prepare_experts, prepare_weight, stack_experts)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -133,12 +133,6 @@ def cuda_config(m: int, n: int = 0) -> dict:
     return dict(variant="cuda", NT=1 if m <= 16 else 2, W=4, D=8, SEG=0)
 
 
-#: the CUDA decode kernel with the tokens as the mma's A (``decode_gemm.cu``, TA): up to 16 token rows in one
-#: tile, two warps per 16 weight rows (one per 8-row half), for weights with fragment-order codes
-#: (``weights.decode_layout``), one chain over K. Tried first at M <= 16, probed like every config.
-TA_CONFIG = dict(variant="cuda", NT=2, W=4, D=8, SEG=0, TA=1)
-
-
 def f16_decode_config(m: int, n: int) -> dict:
     """The fp16 copy's GEMM config at decode rows (see F16_DECODE_MIN_M): every token in one tile row, 64 weight
     rows a program, a 6-stage pipeline (sweep of BM 32 / 64 x BN 32 / 64 / 128 x 3 / 4 / 6 stages: the best
@@ -173,8 +167,7 @@ def config_name(c: dict) -> str:
         lanes = f"c{c['C']}" if c.get("C", 1) > 1 else ""
         rows = f"r{c['RG']}" if c.get("RG", 1) > 1 else ""
         bal = "b" if c.get("BAL", 0) else ""
-        ta = "ta" if c.get("TA", 0) else ""
-        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}{rows}{bal}{ta}"
+        return f"cuda:nt{c['NT']}w{c['W']}d{c['D']}s{c.get('SEG', 4)}{lanes}{rows}{bal}"
     return f"{c['variant']}:{c['BM']}x{c['BN']}w{c['num_warps']}s{c['num_stages']}"
 
 
@@ -200,12 +193,10 @@ def _verify(cfg: dict, device, m: int = 300, n: int = 384, k: int = 1088) -> boo
     try:
         a = quantize((torch.randn(m, k, generator=g) * 3).to(device), scaling="row")
         w = quantize(torch.randn(n, k, generator=g).to(device), scaling="row")
-        # tokens as A runs on fragment-order codes only: probe it on them
-        wc = decode_layout(w) if cfg.get("TA") else w
         ok = True
         for rows in ((slice(0, m), slice(0, 5)) if cfg.get("variant") == "cuda" else (slice(0, m),)):
             sub = NVFP4Tensor(a.codes[rows], a.scales[rows], a.global_scale[rows])
-            got = _triton_dense(sub, wc, torch.float32, None, cfg)
+            got = _triton_dense(sub, w, torch.float32, None, cfg)
             ok &= bool(torch.equal(got, _triton_dense(sub, w, torch.float32, None, SAFE_CONFIG)))
         return ok
     except Exception as exc:  # OutOfResources (shared memory) or a compiler failure: do not use it
@@ -234,17 +225,14 @@ def _cuda_module(device):
 
 
 def _pick_config(m: int, n: int, device, cuda_ok: bool = False, has_f16: bool = False,
-                 tokens_f16: bool = False, has_frag: bool = False) -> dict:
+                 tokens_f16: bool = False) -> dict:
     """``cuda_ok``: the CUDA decode kernel is built here and takes these operands (``_cuda_decode.supports``);
-    ``has_f16`` / ``tokens_f16``: the weight comes with its fp16 copy / the tokens with their fp16 form;
-    ``has_frag``: the weight comes with its codes in fragment order."""
+    ``has_f16`` / ``tokens_f16``: the weight comes with its fp16 copy / the tokens with their fp16 form."""
     if (has_f16 and tokens_f16 and F16_DECODE_MIN_M < m <= CUDA_MAX_M and n >= F16_DECODE_MIN_N
             and device.type == "cuda" and not k_chunk()):
         cfg = f16_decode_config(m, n)
         if _proven(cfg, device):
             return cfg
-    if cuda_ok and has_frag and m <= 16 and not k_chunk() and _proven(TA_CONFIG, device):
-        return dict(TA_CONFIG)
     if cuda_ok and m <= CUDA_MAX_M:
         cfg = cuda_config(m, n)
         if _proven(cfg, device):
@@ -272,8 +260,7 @@ def _dense_choice(a, w, config=None):
     mod = _cuda_module(a.device) if config is None or config.get("variant") == "cuda" else None
     cuda_ok = mod is not None and _cuda_decode.supports(k, n, a, wq.codes, wq.scales)
     tokens_f16 = isinstance(a, DecodedNVFP4Tensor) and a.f16 is not None
-    has_frag = isinstance(w, PreparedWeight) and w.frag is not None
-    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok, has_f16, tokens_f16, has_frag)
+    cfg = dict(config) if config else _pick_config(m, n, a.device, cuda_ok, has_f16, tokens_f16)
     return cfg, mod, cuda_ok
 
 

@@ -138,12 +138,10 @@ def compile_cuda() -> int:
             spills = int(m.group(1))
         m = re.search(r"Used (\d+) registers", line)
         if m and name:
-            t = re.search(r"ILi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELb(\d)ELb(\d)", name)
-            ta = bool(t) and t.group(6) == "1"  # tokens as A: 8 mma a K step, whatever NT
+            t = re.search(r"ILi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELb(\d)", name)
             label = (f"nt{t.group(1)} d{t.group(2)} {'grouped' if t.group(3) == '1' else 'dense'}"
-                     f"{' rows' if t.group(4) == '1' else ''}{' frag' if t.group(5) == '1' else ''}"
-                     f"{' ta' if ta else ''}") if t else name
-            loop = main_loop(bodies.get(name, ""), 8 if ta else 8 * int(t.group(1))) if t else None
+                     f"{' rows' if t.group(4) == '1' else ''}{' frag' if t.group(5) == '1' else ''}") if t else name
+            loop = main_loop(bodies.get(name, ""), 8 * int(t.group(1))) if t else None
             per_step = "" if loop is None else f"  main loop {loop[0]:.1f} instr / K step (" + ", ".join(
                 f"{k} {v:g}" for k, v in list(loop[1].items())[:6]) + ")"
             print(f"{'ok  ' if spills == 0 else 'SPIL'} cuda decode {label:27s} regs {m.group(1)} spill bytes "

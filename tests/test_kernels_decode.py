@@ -142,10 +142,6 @@ def test_bad_config_is_refused():
         _cuda_decode._check(dict(NT=1, W=4, D=2))  # the ring runs D - 3 steps ahead
     with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
         _cuda_decode._check(dict(NT=1, W=4, D=8, RG=17))  # row groups per warp: 1 .. 16
-    for bad in (dict(NT=1), dict(D=4), dict(W=1), dict(RG=2), dict(C=2)):  # tokens as A: 16 tokens, d8, pairs
-        with pytest.raises(ValueError, match="bad CUDA decode GEMM config"):
-            _cuda_decode._check(dict(G.TA_CONFIG, **bad))
-    assert _cuda_decode._check(G.TA_CONFIG) == (2, 8, 4)
     with pytest.raises(ValueError, match="power of two"):
         _cuda_decode.chunk_log2(3)
     with pytest.raises(ValueError, match="no token segment fits"):  # a round of 8 chunks of 4 steps > 8 steps
@@ -254,10 +250,6 @@ def test_decode_dispatch_prefers_the_proven_cuda_kernel(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(G, "_proven", lambda c, d: True)
     assert G._pick_config(1, 4096, dev, cuda_ok=True) == G.cuda_config(1)
-    # fragment-order codes: the tokens-as-A build up to 16 rows
-    assert [G._pick_config(m, 4096, dev, cuda_ok=True, has_frag=True) == G.TA_CONFIG for m in (1, 16, 17)] == \
-        [True, True, False]
-    assert G.config_name(G.TA_CONFIG) == "cuda:nt2w4d8s0ta"
     assert [G.cuda_config(m)["NT"] for m in (1, 8, 9, 16, 17, 64)] == [1, 1, 1, 1, 2, 2]
     assert G._pick_config(64, 4096, dev, cuda_ok=True) == G.cuda_config(64, 4096)
     # above 16 rows with N: the fewest token tiles whose chains fit one resident wave of 8-warp CTAs, 4 warps
@@ -394,34 +386,6 @@ def test_gpu_decode_configs_bit_equal_to_triton(cfg):
                 assert torch.equal(nvfp4_gemm(sub, x, out_dtype=dt, bias=bias, config=cfg), want), (m, dt)
 
 
-TA_CONFIGS = [G.TA_CONFIG, dict(G.TA_CONFIG, W=8), dict(G.TA_CONFIG, W=2), dict(G.TA_CONFIG, SEG=4)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", TA_CONFIGS, ids=G.config_name)
-@pytest.mark.parametrize("n,k", [(48, 2176), (512, 2048), (2048, 4096)])
-def test_gpu_tokens_as_a_bit_equal_to_triton(cfg, n, k):
-    """The tokens-as-A build on fragment-order codes: bitwise the Triton safe config at M up to 16 and above
-    (tiles of 16 tokens), with idle warp pairs (N = 48: three row groups in CTAs of two or four), token segments
-    (K = 2176 at 4 warps; SEG 4), a bias and every output dtype; on row-major codes the config runs the n8 form."""
-    dev = _gpu_module()
-    g = torch.Generator().manual_seed(3)
-    from minite.kernels import quantize
-    a = quantize(checks.spread_input(40, k, dev, seed=4), scaling="row")
-    w = quantize((torch.randn(n, k, generator=g) * 0.05).to(dev), scaling="row")
-    bias = torch.randn(n, generator=g).to(dev)
-    wf = decode_layout(w)
-    for m in (1, 3, 8, 9, 16, 17, 40):
-        sub = a.rows(0, m)
-        want = nvfp4_gemm(sub, w, out_dtype=torch.float32, config=G.SAFE_CONFIG)
-        assert torch.equal(nvfp4_gemm(sub, wf, out_dtype=torch.float32, config=cfg), want), m
-        assert torch.equal(nvfp4_gemm(sub, w, out_dtype=torch.float32, config=cfg), want), m
-    a_mod = quantize(torch.randn(5, k, generator=g).to(dev), scaling="row")
-    for dt in (torch.bfloat16, torch.float16):
-        want = nvfp4_gemm(a_mod, w, out_dtype=dt, bias=bias, config=G.SAFE_CONFIG)
-        assert torch.equal(nvfp4_gemm(a_mod, wf, out_dtype=dt, bias=bias, config=cfg), want), dt
-
-
 @pytest.mark.gpu
 def test_gpu_decode_default_is_the_cuda_kernel_and_batch_invariant():
     """The default path at M <= 16 is the CUDA kernel (its probe passed), and its rows equal those of
@@ -431,12 +395,9 @@ def test_gpu_decode_default_is_the_cuda_kernel_and_batch_invariant():
     a = quantize(torch.randn(16384, 2048, device=dev), scaling="row")
     w = quantize(torch.randn(1024, 2048, device=dev))
     full = nvfp4_gemm(a, w, out_dtype=torch.float32)
-    wf = decode_layout(w)
     for m in (1, 2, 4, 8, 16, 32, 64):
         assert torch.equal(nvfp4_gemm(a.rows(100, 100 + m), w, out_dtype=torch.float32), full[100:100 + m]), m
-        assert torch.equal(nvfp4_gemm(a.rows(100, 100 + m), wf, out_dtype=torch.float32), full[100:100 + m]), m
     assert G.config_status().get(G.config_name(G.cuda_config(1))) is True
-    assert G.config_for(a.rows(0, 16), wf) == G.config_name(G.TA_CONFIG)  # fragment-order codes: tokens as A
 
 
 @pytest.mark.gpu
