@@ -54,10 +54,10 @@ def padded_size(n: int, sizes: list[int]) -> int:
 
 @contextlib.contextmanager
 def gc_paused():
-    """Collect once, then no automatic garbage collection until the block ends (as Transformer Engine and
-    vLLM capture). ``torch.cuda.graph`` stopped collecting before a capture in torch 2.9, so a collection that
-    fires during one can free an older graph held only by a reference cycle (any object of the caller's may
-    hold one); destroying a graph while a stream captures invalidates the capture
+    """Collect once, then no automatic garbage collection until the block ends (as Transformer Engine's graph
+    capture does since its PR #2092). ``torch.cuda.graph`` stopped collecting before a capture in torch 2.9,
+    so a collection that fires during one can free an older graph held only by a reference cycle (any object
+    of the caller's may hold one); destroying a graph while a stream captures invalidates the capture
     (``cudaErrorStreamCaptureInvalidated``) and leaves the CUDA generator in its capture state."""
     enabled = gc.isenabled()
     gc.collect()
