@@ -41,43 +41,44 @@ class _Cycle:
         self.payload, self.me = payload, self
 
 
-def test_gc_paused_collects_first_and_restores_the_collector():
+@pytest.fixture
+def collector_off():
+    """Python's automatic garbage collection off for the test (cyclic garbage stays until collected), then
+    restored as it was."""
     enabled = gc.isenabled()
-    try:
-        for start in (True, False):
-            (gc.enable if start else gc.disable)()
-            dead = weakref.ref(_Cycle())  # garbage only a collection frees
-            with gc_paused():
-                assert dead() is None and not gc.isenabled()
-            assert gc.isenabled() == start
-            with pytest.raises(RuntimeError), gc_paused():
-                raise RuntimeError
-            assert gc.isenabled() == start
-    finally:
-        (gc.enable if enabled else gc.disable)()
+    gc.disable()
+    yield
+    (gc.enable if enabled else gc.disable)()
 
 
-def test_dropped_sampler_is_freed_without_the_collector(tiny):
+def test_gc_paused_collects_first_and_restores_the_collector(collector_off):
+    for start in (True, False):
+        (gc.enable if start else gc.disable)()
+        dead = weakref.ref(_Cycle())  # garbage only a collection frees
+        with gc_paused():
+            assert dead() is None and not gc.isenabled()
+        assert gc.isenabled() == start
+        with pytest.raises(RuntimeError), gc_paused():
+            raise RuntimeError
+        assert gc.isenabled() == start
+
+
+def test_dropped_sampler_is_freed_without_the_collector(tiny, collector_off):
     """The runner holds its engine's step weakly: dropping a sampler frees it (and, on a GPU, its graphs and
     their memory pool) at once, not at some later collection; a runner whose engine is gone says so."""
     cfg, model = tiny
     s = make_sampler(load_arm("minite_nvfp4"), cfg, model)
     s.generate(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
     runner, dead = s._runner, weakref.ref(s)
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        del s
-        assert dead() is None
-    finally:
-        (gc.enable if enabled else gc.disable)()
+    del s
+    assert dead() is None
     with pytest.raises(RuntimeError, match="freed"):
         runner.step("greedy")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_capture_survives_dropped_graphs_in_a_reference_cycle():
+def test_capture_survives_dropped_graphs_in_a_reference_cycle(collector_off):
     """A dropped runner's graphs wait in a reference cycle while new ones are captured; a collection during
     that capture would destroy them and invalidate it. Here one is forced inside the capture, where the
     automatic collector must also be off."""
@@ -90,18 +91,13 @@ def test_capture_survives_dropped_graphs_in_a_reference_cycle():
             gc.collect()
         st.logprobs[:b, 0] += 1.0
 
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        old = DecodeRunner(step, st, 4, cuda_graphs=True)
-        old.prepare("greedy")
-        dropped = weakref.ref(_Cycle(old))
-        del old
-        assert dropped() is not None
-        new = DecodeRunner(step, st, 4, cuda_graphs=True)
-        new.prepare("greedy")
-    finally:
-        (gc.enable if enabled else gc.disable)()
+    old = DecodeRunner(step, st, 4, cuda_graphs=True)
+    old.prepare("greedy")
+    dropped = weakref.ref(_Cycle(old))
+    del old
+    assert dropped() is not None
+    new = DecodeRunner(step, st, 4, cuda_graphs=True)
+    new.prepare("greedy")
     assert dropped() is None and seen and not any(seen)
     st.logprobs.zero_()
     new.start([0, 1, 2], torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
