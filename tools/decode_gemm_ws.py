@@ -6,8 +6,8 @@
     python tools/decode_gemm_ws.py source > f.cu    # the full source, for nvcc / SASS on a machine without a GPU
 
 Variants are 10 x producers + steps per handoff (21 .. 34); ``--pdl`` launches them with programmatic dependent
-launch (one run with it hung in the check, not diagnosed: docs/KERNELS_NOTES.md). Shapes and timing as
-``kernel-bench`` (its ``SHAPES`` and ``Timer``, weights rotated past L2)."""
+launch (one `check` with it gave no result within its time limit, not diagnosed: docs/KERNELS_NOTES.md).
+Shapes and timing as ``kernel-bench`` (its ``SHAPES`` and ``Timer``, weights rotated past L2)."""
 from __future__ import annotations
 
 import argparse
