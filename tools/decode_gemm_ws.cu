@@ -84,11 +84,7 @@ struct Raw {
 constexpr int kASlot = 8 * 32 * 16;  // 4 KB: eight pieces x 32 lanes x 4 words
 constexpr int kBTile = 4 * 32 * 16;  // 2 KB per n8 tile: four piece pairs x 32 lanes x 4 words
 
-__device__ __forceinline__ void grid_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+// the wait is decode_gemm.cu's pdl_wait (without its trigger); the trigger comes at the end of each role
 __device__ __forceinline__ void grid_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -166,7 +162,8 @@ __global__ void __launch_bounds__(32 * (P + 1)) ws_kernel(const WsParams p) {
       }
     }
     __syncthreads();
-    if (p.pdl) grid_wait();  // the tokens may be the previous kernel's output
+    bool waited = !p.pdl;
+    if (!waited) pdl_wait(waited, false);  // the tokens may be the previous kernel's output
     load_t(r0, step_of(0));
     load_t(r1, step_of(1));
     // where lane t's u16s sit in a 16-byte piece: u16 t (positions 2t, 2t+1) and u16 4 + t (2t+8, 2t+9)
@@ -276,7 +273,8 @@ __global__ void __launch_bounds__(32 * (P + 1)) ws_kernel(const WsParams p) {
   };
   fetch(A0, B0, 0);
   // epilogue operands now (their loads run under the chain); indices clamped: one load each, no reloads
-  if (p.pdl) grid_wait();  // ga may be the previous kernel's output
+  bool waited = !p.pdl;
+  if (!waited) pdl_wait(waited, false);  // ga may be the previous kernel's output
   const int n_a = row0 + g, n_b = n_a + 8;
   const float gw_a = p.gw[p.gw_row ? n_a : 0], gw_b = p.gw[p.gw_row ? n_b : 0];
   const bool has_bias = p.bias != nullptr;
