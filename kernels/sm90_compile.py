@@ -27,6 +27,9 @@ def compile_one(fn, types, consts, num_warps, num_stages, div16=()):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    # a constexpr left out takes its declared default; left as a runtime argument, its ``if`` would compile
+    # every branch (K_GROUPED, W_KSEG and PDL were added after this tool's callers named their constants)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn, _sig(fn, types, consts), consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),

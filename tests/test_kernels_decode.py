@@ -1,6 +1,10 @@
 """The decode-regime CUDA GEMM (kernels/decode_gemm.cu): its fragment layout on CPU (the twin, bitwise against
 the K order the Triton kernels feed), dispatch and fallbacks; on the GPU, bit equality with the Triton path
 for every M and config, batch invariance against M = 16384, and the reference."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from minite.kernels import _cuda_decode, _decode_twin, checks, grouped_nvfp4_gemm, nvfp4_gemm, stack_experts
@@ -87,6 +91,18 @@ def test_sm90_compile_finds_the_main_loop_in_sass():
     per_step, ops = main_loop(sass, hmma_per_step=1)
     assert per_step == 2.5 and ops == {"HMMA": 1.0, "IMAD": 0.5, "PRMT": 0.5, "BRA": 0.5}
     assert main_loop(sass.replace("HMMA", "FFMA"), 1) is None
+
+
+def test_sm90_compile_builds_a_config_with_only_its_named_constants():
+    """The offline sm_90 build (no GPU: triton's own ptxas) gives the kernel's other constexprs their defaults;
+    as runtime arguments, ``if K_GROUPED:`` compiled the grouped branch and failed on its undefined bounds.
+    A subprocess: the tool compiles, so the kernels must be defined with the interpreter off."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "minite.kernels.sm90_compile", "--no-cuda", "--only",
+                          "dense f16:128x128w8s4"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ok   dense f16:128x128w8s4" in run.stdout and "FAIL" not in run.stdout
 
 
 @pytest.mark.parametrize("nt,m_end", [(1, 5), (2, 13), (2, 16)])
