@@ -1,4 +1,4 @@
-"""What the K-chunk contract costs a large-M tile on sm_90, without a GPU (an offline study, not used by minite).
+"""What the K-chunk contract costs a large-M tile on sm_90 (a study, not used by minite): offline builds, and times.
 
 Builds a plain fp16 GEMM tile (the form of the large-M path over pre-decoded operands, ``A_F16``) with triton's
 own ptxas for sm_90 under three K orders, and prints, per tile: registers, stack (spills), shared memory, and
