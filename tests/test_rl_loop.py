@@ -145,9 +145,19 @@ def test_cli_jobs_and_errors(setup, tmp_path, caplog):
     assert main(["rl", "--arm", "bf16", "--steps", "1", "--init", str(tmp_path / "missing"), "--out",
                  str(tmp_path / "x"), *sets]) == 2
     assert main(["sft", "--set", "rl.bogus=1", "--out", str(tmp_path / "y")]) == 2
+    # a directory that is no checkpoint: refused before the first write, and no empty run directory left
+    (tmp_path / "not_a_ckpt").mkdir()
+    assert main(["rl", "--arm", "bf16", "--steps", "1", "--checkpoint", str(tmp_path / "not_a_ckpt"), "--out",
+                 str(tmp_path / "z"), *sets]) == 2
+    assert not (tmp_path / "z").exists()
+    # eval of a directory that holds no run: an error, not a fresh model's accuracy as step 0
+    assert main(["eval", "--arm", "bf16", "--model", "tiny", "--run", str(tmp_path / "not_a_ckpt"), "--out",
+                 str(tmp_path / "e2.csv"), "--no-progress", *sets]) == 2
+    assert not (tmp_path / "e2.csv").exists()
     err = caplog.text
     assert "unknown arm" in err.lower() or "fp8" in err
     assert "not found" in err and "bogus" in err
+    assert "not a local HF checkpoint" in err and "not a run directory" in err
 
 
 @pytest.mark.slow

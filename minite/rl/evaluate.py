@@ -36,6 +36,9 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
     Without ``spec.init`` the warm start is the one the run's run.json names."""
     run_dir = Path(run_dir)
     meta = run_dir / "run.json"
+    if not meta.is_file() and not checkpoints(run_dir):  # else step 0 would be a fresh model's accuracy
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no run.json, no checkpoints); "
+                                "python -m minite rl --out writes one")
     if spec.init is None and meta.is_file():
         init = json.loads(meta.read_text()).get("init")
         spec = dataclasses.replace(spec, init=resolve_stored_path(init) if init else None)

@@ -100,9 +100,17 @@ def run_stability(spec: RunSpec, out_dir, steps: int, *, ckpt_every: int | None 
                   progress: bool = True) -> dict:
     """Run (or resume) ``steps`` GRPO steps of ``spec``; returns the summary dict (also written to disk)."""
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    with ck.single_writer(out) if D.is_main() else contextlib.nullcontext():
-        return _run(spec, out, steps, int(ckpt_every or spec.cfg["ckpt"]["every"]), progress)
+    try:
+        with ck.single_writer(out) if D.is_main() else contextlib.nullcontext():
+            return _run(spec, out, steps, int(ckpt_every or spec.cfg["ckpt"]["every"]), progress)
+    except BaseException:
+        # a run that fails before its first write (a bad checkpoint, a config the engines refuse) leaves no
+        # empty run directory behind; a directory with anything in it is a run's, and stays
+        if created and D.is_main() and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 class _Loop:
