@@ -16,6 +16,7 @@ plus the output) over its time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import math
@@ -52,6 +53,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rep", type=float, default=60.0, help="ms of timed repeats per point")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time alternative tile configs of ours")
+    p.add_argument("--k-chunk", type=int, default=0, metavar="KC",
+                   help="also time ours under the K-chunk contract (gemm.k_chunk, KC-wide chunks) right after the "
+                        "one-chain default at every point (providers ours_kcKC, ours_prepared_kcKC), and check its "
+                        "decode batch invariance first")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes, every provider called once, no timing (a CPU smoke test of the pipeline)")
 
@@ -108,6 +113,39 @@ def on_copy(sets, fn):
     return lambda i: functools.partial(fn, *sets[i % len(sets)])
 
 
+@contextlib.contextmanager
+def k_chunk_contract(kc: int):
+    """Everything inside runs under the K-chunk contract ``kc`` (0: one chain); the environment's after."""
+    from . import gemm
+    gemm.set_k_chunk(kc)
+    try:
+        yield
+    finally:
+        gemm.set_k_chunk(None)
+
+
+def _under(kc: int, fn):
+    """fn, each call made under the K-chunk contract ``kc`` (None: as it is)."""
+    if kc is None:
+        return fn
+
+    def call(*args, **kwargs):
+        with k_chunk_contract(kc):
+            return fn(*args, **kwargs)
+    return call
+
+
+def _with_k_chunk(providers: list[str], kc: int) -> list[str]:
+    """Each of ours followed by its twin under the K-chunk contract (ours_kcKC), when kc > 0."""
+    return [q for p in providers for q in ((p, f"{p}_kc{kc}") if kc and p.startswith("ours") else (p,))]
+
+
+def _split_kc(provider: str) -> tuple[str, int | None]:
+    """"ours_prepared_kc512" -> ("ours_prepared", 512); a provider without the suffix -> (it, None)."""
+    base, sep, kc = provider.rpartition("_kc")
+    return (base, int(kc)) if sep and kc.isdigit() else (provider, None)
+
+
 def _nbytes(*ts):
     tot = 0
     for t in ts:
@@ -120,7 +158,7 @@ def _nbytes(*ts):
     return tot
 
 
-def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
+def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep, kc=0):
     x = torch.randn(m, k, device=dev)
     w32 = torch.randn(n, k, device=dev)
     a, w = quantize(x, scaling="row"), quantize(w32)
@@ -143,6 +181,8 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
     }
 
     def mk(provider, cfg=None):
+        provider, contract = _split_kc(provider)
+        gemm = _under(contract, nvfp4_gemm)
         n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set[provider])))
         if provider == "cublas_bf16":
             sets = list(zip(_copies(a16, n_rot), _copies(w16, n_rot)))
@@ -154,28 +194,29 @@ def bench_dense(timer, name, n, k, m, dev, rows, sha, devname, sweep):
         if provider == "ours_prepared" or (cfg and cfg.get("variant") in PREPARED_VARIANTS):
             n_rot = max(1, min(64, math.ceil(2 * L2_BYTES / per_set["ours_prepared"])))
             sets = list(zip(_copies(a, n_rot), _copies(pw, n_rot)))
-            return on_copy(sets, lambda x, w: nvfp4_gemm(x, w, config=cfg))
+            return on_copy(sets, lambda x, w: gemm(x, w, config=cfg))
         sets = list(zip(_copies(a, n_rot), _copies(w, n_rot)))
         if provider == "naive_emulation":
             return on_copy(sets, lambda x, w: _naive_deq(x, table) @ _naive_deq(w, table).T)
-        return on_copy(sets, lambda x, w: nvfp4_gemm(x, w, config=cfg))
+        return on_copy(sets, lambda x, w: gemm(x, w, config=cfg))
 
-    providers = ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"]
+    providers = _with_k_chunk(["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours", "ours_prepared"], kc)
     cfgs = [(p, None) for p in providers]
     if sweep:
         cfgs += [("ours", c) for c in SWEEPS.get((name, m), [])]
     for provider, cfg in cfgs:
         label = provider if cfg is None else "ours:" + _cfg_name(cfg)
+        base, contract = _split_kc(provider)
+        nbytes = per_set[base if cfg is None or cfg["variant"] not in PREPARED_VARIANTS else "ours_prepared"]
         try:
-            ms = timer(mk(provider, cfg), per_set[provider if cfg is None or cfg["variant"] not in PREPARED_VARIANTS
-                                                   else "ours_prepared"])
+            ms = timer(mk(provider, cfg), nbytes)
         except Exception as exc:  # record, keep going: one provider's failure must not lose the run
             print(f"  {label} {name} M={m}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
-        config = (_cfg_name(cfg) if cfg is not None else config_for(a, pw if provider == "ours_prepared" else w)
-                  if provider in ("ours", "ours_prepared") else "")
+        config = (_cfg_name(cfg) if cfg is not None else _under(contract, config_for)(
+            a, pw if base == "ours_prepared" else w) if base in ("ours", "ours_prepared") else "")
         rows.append(dict(kernel="gemm", provider=label, shape=name, M=m, N=n, K=k, median_ms=ms,
-                         tflops=flops / ms / 1e9, gbps=per_set[provider] / ms / 1e6, config=config, device=devname,
+                         tflops=flops / ms / 1e9, gbps=nbytes / ms / 1e6, config=config, device=devname,
                          sha=sha))
         print(f"  {name:15s} M={m:6d} {label:28s} {ms:9.4f} ms {flops / ms / 1e9:8.1f} TFLOP/s", flush=True)
 
@@ -215,7 +256,7 @@ def moe_offsets(tokens: int, experts: int, top_k: int, dev, align: int = 16) -> 
     return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dev)
 
 
-def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=False):
+def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=False, kc=0):
     e, top_k = 128, 8
     offs = moe_offsets(tokens, e, top_k, dev, align=1 if tokens in DECODE_TOKENS else 16)
     m = int(offs[-1])
@@ -233,6 +274,8 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
                + m * n * 2}
 
     def mk(provider, cfg=None):
+        provider, contract = _split_kc(provider)
+        gemm = _under(contract, grouped_nvfp4_gemm)
         prep = provider == "ours_prepared" or (cfg is not None and cfg["variant"] in PREPARED_VARIANTS)
         n_rot = max(1, min(16, math.ceil(2 * L2_BYTES / per_set["ours_prepared" if prep else provider])))
         if provider == "grouped_mm_bf16":
@@ -241,21 +284,22 @@ def bench_grouped(timer, name, n, k, tokens, dev, rows, sha, devname, sweep=Fals
         if cfg is not None and cfg["variant"] == "f16@call":
             cfg = dict(cfg, variant="f16")
         sets = list(zip(_copies(a, n_rot), _copies(wsp if prep else ws, n_rot)))
-        return on_copy(sets, lambda x, w: grouped_nvfp4_gemm(x, w, offs, config=cfg))
+        return on_copy(sets, lambda x, w: gemm(x, w, offs, config=cfg))
 
-    cfgs = [(p, None) for p in ("grouped_mm_bf16", "ours", "ours_prepared")]
+    cfgs = [(p, None) for p in _with_k_chunk(["grouped_mm_bf16", "ours", "ours_prepared"], kc)]
     if sweep and name == "moe_gate_up" and tokens == 16384:
         cfgs += [("ours", c) for c in GROUPED_SWEEP + [dict(GROUPED_F16_CONFIG, variant="f16@call")]]
     for provider, cfg in cfgs:
         label = provider if cfg is None else "ours:" + _cfg_name(dict(cfg, GROUP_M=1))
+        base, contract = _split_kc(provider)
+        nb = per_set[base]
         try:
-            ms = timer(mk(provider, cfg), per_set["ours_prepared" if provider == "ours_prepared" else provider])
+            ms = timer(mk(provider, cfg), nb)
         except Exception as exc:
             print(f"  {label} {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             ms = float("nan")
-        nb = per_set["ours_prepared" if provider == "ours_prepared" else provider]
-        config = (_cfg_name(dict(cfg, GROUP_M=1)) if cfg is not None else grouped_config_for(
-            a, wsp if provider == "ours_prepared" else ws) if provider in ("ours", "ours_prepared") else "")
+        config = (_cfg_name(dict(cfg, GROUP_M=1)) if cfg is not None else _under(contract, grouped_config_for)(
+            a, wsp if base == "ours_prepared" else ws) if base in ("ours", "ours_prepared") else "")
         provider = label
         rows.append(dict(kernel="grouped_gemm", provider=provider, shape=f"{name}_E{e}top{top_k}_T{tokens}",
                          M=m, N=n, K=k, median_ms=ms, tflops=flops / ms / 1e9,
@@ -302,7 +346,11 @@ def run(args, prov: dict, publish) -> int:
     from .report import summary
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    check_lines = [] if (args.skip_checks or dry) else checks.run_all(dev) + decode_checks(dev)
+    kc = getattr(args, "k_chunk", 0) or 0
+    if kc:
+        with k_chunk_contract(kc):  # a bad width fails here, before anything runs
+            pass
+    check_lines = [] if (args.skip_checks or dry) else checks.run_all(dev) + decode_checks(dev, kc)
     timer = _dry_timer if dry else Timer(graph=not args.no_graph, rep=args.rep)
     rows: list[dict] = []
     kind = ("dry run: untimed" if dry else "CUDA-graph replays (triton.testing.do_bench_cudagraph)"
@@ -324,11 +372,11 @@ def run(args, prov: dict, publish) -> int:
     # order: MoE first, then the square shape, then the Qwen projections (a run cut short keeps the most)
     for tokens in tokens_list[::-1]:
         for name, n, k in grouped:
-            bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"], args.sweep)
+            bench_grouped(timer, name, n, k, tokens, dev, rows, prov["sha"], prov["device"], args.sweep, kc)
         flush()
     for name, n, k in sorted(shapes, key=lambda s: s[0] != "square8192"):
         for m in ms_list:
-            bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"], args.sweep)
+            bench_dense(timer, name, n, k, m, dev, rows, prov["sha"], prov["device"], args.sweep, kc)
         flush()
     qtimer = timer if dry else Timer(graph=False, rep=args.rep)  # the torch reference syncs: no graph
     for m in qms:
@@ -337,10 +385,11 @@ def run(args, prov: dict, publish) -> int:
     return 0
 
 
-def decode_checks(device) -> list[str]:
+def decode_checks(device, kc: int = 0) -> list[str]:
     """Decode-regime batch invariance (GPU): rows at M = 1..64 (the decode kernel) bitwise equal to the same
-    rows inside M = 16384 (the large-M path), dense with a bias; grouped at 1 and 8 tokens x top-8 over 128
-    experts bitwise equal to the grouped decode loop (the reference config)."""
+    rows inside M = 16384 (the large-M path), dense with a bias, under the default contract and, with ``kc``,
+    under the K-chunk contract too; grouped at 1 and 8 tokens x top-8 over 128 experts bitwise equal to the
+    grouped decode loop (the reference config)."""
     from .gemm import GROUPED_FALLBACK, config_status
     lines = []
     g = torch.Generator(device="cpu").manual_seed(11)
@@ -348,13 +397,15 @@ def decode_checks(device) -> list[str]:
     a = quantize(torch.randn(16384, k, generator=g).to(device), scaling="row")
     w = quantize(torch.randn(n, k, generator=g).to(device))
     bias = torch.randn(n, generator=g).to(device)
-    for dt in (torch.float32, torch.bfloat16):
-        full = nvfp4_gemm(a, w, out_dtype=dt, bias=bias)
+    for contract, dt in itertools.product((None, kc) if kc else (None,), (torch.float32, torch.bfloat16)):
+        gemm = _under(contract, nvfp4_gemm)
+        full = gemm(a, w, out_dtype=dt, bias=bias)
         bad = [m for m in DECODE_MS if not torch.equal(
-            nvfp4_gemm(ref.NVFP4Tensor(a.codes[7:7 + m], a.scales[7:7 + m], a.global_scale[7:7 + m]), w,
-                       out_dtype=dt, bias=bias), full[7:7 + m])]
+            gemm(ref.NVFP4Tensor(a.codes[7:7 + m], a.scales[7:7 + m], a.global_scale[7:7 + m]), w,
+                 out_dtype=dt, bias=bias), full[7:7 + m])]
         lines.append(f"- {'FAIL' if bad else 'PASS'} decode batch invariance M in {DECODE_MS} vs M=16384, "
-                     f"{str(dt)[6:]} + bias: {'differ at M=' + str(bad) if bad else 'bitwise equal'}")
+                     f"{str(dt)[6:]} + bias{f', K chunks of {contract}' if contract else ''}: "
+                     f"{'differ at M=' + str(bad) if bad else 'bitwise equal'}")
     e, top_k = 128, 8
     ws = stack_experts([quantize(torch.randn(256, k, generator=g).to(device)) for _ in range(e)])
     for tokens in (1, 8):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -39,6 +40,12 @@ def ratios(df: pd.DataFrame, ours: str = "ours") -> list[tuple[str, float, float
     return out
 
 
+def ours_providers(df: pd.DataFrame) -> list[str]:
+    """ours, ours_prepared, then their twins under the K-chunk contract (``kernel-bench --k-chunk``) if timed."""
+    kc = sorted(p for p in set(df.provider) if re.fullmatch(r"ours(_prepared)?_kc\d+", p))
+    return ["ours", "ours_prepared"] + kc
+
+
 def _tokens(shape: str) -> int:
     """Token count of a grouped shape label ``<name>_E<e>top<k>_T<tokens>``."""
     return int(shape.rsplit("_T", 1)[1])
@@ -59,7 +66,7 @@ def _speed_table(d: pd.DataFrame, baseline: str, label: str) -> str:
         return ""
     t = d.pivot_table(index=["shape", "M"], columns="provider", values=["median_ms", "gbps"])
     out = pd.DataFrame(index=t.index)
-    for p in (baseline, "ours", "ours_prepared"):
+    for p in [baseline] + ours_providers(d):
         if ("median_ms", p) in t:
             out[f"{p} us"] = (t["median_ms", p] * 1e3).round(2)
             out[f"{p} GB/s"] = t["gbps", p].round(0)
@@ -73,7 +80,7 @@ def _speed_table(d: pd.DataFrame, baseline: str, label: str) -> str:
 
 def decode_table(df: pd.DataFrame) -> str:
     """Dense M <= 64 against cuBLAS bf16 (``_speed_table``)."""
-    d = df[(df.kernel == "gemm") & (df.M <= 64) & df.provider.isin(["cublas_bf16", "ours", "ours_prepared"])]
+    d = df[(df.kernel == "gemm") & (df.M <= 64) & df.provider.isin(["cublas_bf16"] + ours_providers(df))]
     return _speed_table(d, "cublas_bf16", "cuBLAS")
 
 
@@ -91,7 +98,7 @@ def summary(df: pd.DataFrame, prov: dict, check_lines: list[str], timer_kind: st
              "inputs rotated over copies > 2x L2 (60 MB)", "",
              "## Target ratios (speed = baseline time / our time; geomean over the shapes, min..max)", "",
              "| ratio | geomean | min | max | target | points |", "|---|---|---|---|---|---|"]
-    for what, gm, lo, hi, tgt, npts in ratios(df) + ratios(df, "ours_prepared"):
+    for what, gm, lo, hi, tgt, npts in [r for p in ours_providers(df) for r in ratios(df, p)]:
         lines.append(f"| {what} | {gm:.2f} | {lo:.2f} | {hi:.2f} | {tgt} | {npts} |")
     lines += ["", "## Checks (this run, before timing)", ""] + (check_lines or ["- skipped"])
     if configs is not None:

@@ -42,3 +42,37 @@ def test_every_provider_takes_as_many_input_copies_as_the_timer_asks(tmp_path, m
     monkeypatch.setattr(bench, "_dry_timer", rotating_timer)
     assert main(["kernel-bench", "--dry-run", "--out", str(tmp_path / "k.csv")]) == 0
     assert "FAILED" not in capsys.readouterr().out
+
+
+def test_k_chunk_twins_are_timed_beside_ours_under_their_contract(tmp_path, monkeypatch):
+    """``--k-chunk KC``: every ours provider gets a twin right after it whose calls run under the K-chunk
+    contract (and only those: the contract is back to the environment's after each call); the summary gives
+    the twins' target ratios too."""
+    from minite.kernels import bench
+    from minite.kernels import gemm as G
+    seen = []
+    real = bench.nvfp4_gemm
+
+    def spy(*args, **kwargs):
+        seen.append(G.k_chunk())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench, "nvfp4_gemm", spy)
+    monkeypatch.delenv(G.K_CHUNK_ENV, raising=False)
+    out = tmp_path / "k.csv"
+    assert main(["kernel-bench", "--dry-run", "--k-chunk", "512", "--out", str(out)]) == 0
+    assert G.k_chunk() == 0
+    df = pd.read_csv(out)
+    dense = df[df.kernel == "gemm"]
+    assert dense[dense.M == 1].provider.tolist() == ["cublas_bf16", "fp8_scaled_mm", "naive_emulation", "ours",
+                                                     "ours_kc512", "ours_prepared", "ours_prepared_kc512"]
+    assert {"ours_kc512", "ours_prepared_kc512"} <= set(df[df.kernel == "grouped_gemm"].provider)
+    assert sorted(set(seen)) == [0, 512] and seen.count(512) == seen.count(0)  # each twin: one call per point
+    assert main(["kernel-bench", "--dry-run", "--k-chunk", "96", "--out", str(tmp_path / "bad.csv")]) == 2
+
+    rows = []
+    for m, base, ours, kc in ((1, 4.0, 2.0, 1.0), (4096, 1.0, 1.0, 2.0)):
+        rows += [dict(kernel="gemm", provider=p, shape="s", M=m, N=8, K=8, median_ms=t, tflops=1.0, gbps=1.0)
+                 for p, t in (("cublas_bf16", base), ("ours", ours), ("ours_kc512", kc))]
+    md = report.summary(pd.DataFrame(rows), dict(device="d", sha="s", command="c", date="t", torch="x"), [], "t")
+    assert "| ours_kc512 vs cuBLAS bf16, M <= 16 (decode) | 4.00 |" in md
+    assert "| ours_kc512 vs cuBLAS bf16, M >= 4096 | 0.50 |" in md and "| ours vs cuBLAS bf16, M >= 4096 | 1.00 |" in md
