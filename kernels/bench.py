@@ -386,9 +386,10 @@ def run(args, prov: dict, publish) -> int:
 
 
 def decode_checks(device, kc: int = 0) -> list[str]:
-    """Decode-regime batch invariance (GPU): rows at M = 1..64 (the decode kernel) bitwise equal to the same
-    rows inside M = 16384 (the large-M path), dense with a bias, under the default contract and, with ``kc``,
-    under the K-chunk contract too; grouped at 1 and 8 tokens x top-8 over 128 experts bitwise equal to the
+    """Decode-regime batch invariance (GPU): rows at M = 1..64 (the decode kernel), from the plain codes and
+    from the prepared weight's fragment-order codes, bitwise equal to the same rows inside M = 16384 (the
+    large-M path), dense with a bias, under the default contract and, with ``kc``, under the K-chunk contract
+    too; grouped at 1 and 8 tokens x top-8 over 128 experts bitwise equal to the
     grouped decode loop (the reference config)."""
     from .gemm import GROUPED_FALLBACK, config_status
     lines = []
@@ -397,15 +398,23 @@ def decode_checks(device, kc: int = 0) -> list[str]:
     a = quantize(torch.randn(16384, k, generator=g).to(device), scaling="row")
     w = quantize(torch.randn(n, k, generator=g).to(device))
     bias = torch.randn(n, generator=g).to(device)
+    pw = decode_layout(prepare_weight(w))  # fragment-order codes: the decode kernel's other weight form
     for contract, dt in itertools.product((None, kc) if kc else (None,), (torch.float32, torch.bfloat16)):
         gemm = _under(contract, nvfp4_gemm)
         full = gemm(a, w, out_dtype=dt, bias=bias)
-        bad = [m for m in DECODE_MS if not torch.equal(
-            gemm(ref.NVFP4Tensor(a.codes[7:7 + m], a.scales[7:7 + m], a.global_scale[7:7 + m]), w,
-                 out_dtype=dt, bias=bias), full[7:7 + m])]
+        bad, bad_prepared = [], []
+        for m in DECODE_MS:
+            rows = ref.NVFP4Tensor(a.codes[7:7 + m], a.scales[7:7 + m], a.global_scale[7:7 + m])
+            if not torch.equal(gemm(rows, w, out_dtype=dt, bias=bias), full[7:7 + m]):
+                bad.append(m)
+            if not torch.equal(gemm(rows, pw, out_dtype=dt, bias=bias), full[7:7 + m]):
+                bad_prepared.append(m)
+        under = f", K chunks of {contract}" if contract else ""
         lines.append(f"- {'FAIL' if bad else 'PASS'} decode batch invariance M in {DECODE_MS} vs M=16384, "
-                     f"{str(dt)[6:]} + bias{f', K chunks of {contract}' if contract else ''}: "
-                     f"{'differ at M=' + str(bad) if bad else 'bitwise equal'}")
+                     f"{str(dt)[6:]} + bias{under}: {'differ at M=' + str(bad) if bad else 'bitwise equal'}")
+        lines.append(f"- {'FAIL' if bad_prepared else 'PASS'} decode rows of the prepared weight (fragment "
+                     f"order) M in {DECODE_MS} vs M=16384, {str(dt)[6:]} + bias{under}: "
+                     f"{'differ at M=' + str(bad_prepared) if bad_prepared else 'bitwise equal'}")
     e, top_k = 128, 8
     ws = stack_experts([quantize(torch.randn(256, k, generator=g).to(device)) for _ in range(e)])
     for tokens in (1, 8):

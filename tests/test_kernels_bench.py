@@ -76,3 +76,14 @@ def test_k_chunk_twins_are_timed_beside_ours_under_their_contract(tmp_path, monk
     md = report.summary(pd.DataFrame(rows), dict(device="d", sha="s", command="c", date="t", torch="x"), [], "t")
     assert "| ours_kc512 vs cuBLAS bf16, M <= 16 (decode) | 4.00 |" in md
     assert "| ours_kc512 vs cuBLAS bf16, M >= 4096 | 0.50 |" in md and "| ours vs cuBLAS bf16, M >= 4096 | 1.00 |" in md
+
+
+def test_decode_checks_cover_both_contracts_and_the_prepared_weight():
+    """The checks kernel-bench runs before timing (here on the exact CPU path): decode rows from the plain and
+    the prepared (fragment-order) weight under one chain and, with ``--k-chunk``, under K chunks."""
+    import torch
+    from minite.kernels import bench
+    lines = bench.decode_checks(torch.device("cpu"), 512)
+    dense = [ln for ln in lines if "decode batch invariance" in ln or "prepared weight" in ln]
+    assert len(dense) == 8 and sum("K chunks of 512" in ln for ln in dense) == 4
+    assert all(ln.startswith("- PASS") for ln in lines if ln.startswith("- ") and "configs probed" not in ln)
