@@ -389,8 +389,8 @@ def decode_checks(device, kc: int = 0) -> list[str]:
     """Decode-regime batch invariance (GPU): rows at M = 1..64 (the decode kernel), from the plain codes and
     from the prepared weight's fragment-order codes, bitwise equal to the same rows inside M = 16384 (the
     large-M path), dense with a bias, under the default contract and, with ``kc``, under the K-chunk contract
-    too; grouped at 1 and 8 tokens x top-8 over 128 experts bitwise equal to the
-    grouped decode loop (the reference config)."""
+    too; grouped at 1 and 8 tokens x top-8 over 128 experts bitwise equal to the grouped decode loop (the
+    reference config)."""
     from .gemm import GROUPED_FALLBACK, config_status
     lines = []
     g = torch.Generator(device="cpu").manual_seed(11)
