@@ -35,8 +35,8 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
     """Evaluate the checkpoints of ``run_dir`` (and step 0 = the warm start) and write ``out_csv`` atomically.
     Without ``spec.init`` the warm start is the one the run's run.json names."""
     run_dir = Path(run_dir)
-    meta = run_dir / "run.json"
-    if not meta.is_file() and not checkpoints(run_dir):  # else step 0 would be a fresh model's accuracy
+    meta, cks = run_dir / "run.json", checkpoints(run_dir)
+    if not meta.is_file() and not cks:  # else step 0 would be a fresh model's accuracy
         raise FileNotFoundError(f"{run_dir}: not a run directory (no run.json, no checkpoints); "
                                 "python -m minite rl --out writes one")
     if spec.init is None and meta.is_file():
@@ -47,7 +47,6 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
     everyone = task.heldout(ev["n_prompts"])
     problems = everyone[D.rank()::D.world_size()]      # this rank's prompts (all of them in one process)
     k = int(ev["k"])
-    cks = checkpoints(run_dir)
     todo = ([(0, None)] if spec.init is not None or model_cfg.get("checkpoint") or not cks else []) + cks
     if steps is not None:
         todo = [(s, p) for s, p in todo if s in set(steps)]
