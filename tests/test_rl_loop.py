@@ -154,6 +154,10 @@ def test_cli_jobs_and_errors(setup, tmp_path, caplog):
     assert main(["eval", "--arm", "bf16", "--model", "tiny", "--run", str(tmp_path / "not_a_ckpt"), "--out",
                  str(tmp_path / "e2.csv"), "--no-progress", *sets]) == 2
     assert not (tmp_path / "e2.csv").exists()
+    # ... unless a warm start is named: then its step 0 alone (the drift study's calibration)
+    assert main(["eval", "--arm", "bf16", "--model", "tiny", "--checkpoint", str(sft_dir), "--run",
+                 str(tmp_path / "calibration"), "--out", str(tmp_path / "e3.csv"), "--no-progress", *sets]) == 0
+    assert pd.read_csv(tmp_path / "e3.csv")["step"].tolist() == [0]
     err = caplog.text
     assert "unknown arm" in err.lower() or "fp8" in err
     assert "not found" in err and "bogus" in err

@@ -33,12 +33,15 @@ COLUMNS = ["arm", "step", "k", "mean_at_k", "pass_at_k", "n_prompts", "temperatu
 def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = None,
                  progress: bool = True) -> pd.DataFrame:
     """Evaluate the checkpoints of ``run_dir`` (and step 0 = the warm start) and write ``out_csv`` atomically.
-    Without ``spec.init`` the warm start is the one the run's run.json names."""
+    Without ``spec.init`` the warm start is the one the run's run.json names. A ``run_dir`` that holds no run
+    yet, given a warm start (``spec.init`` or the model config's checkpoint), evaluates that warm start alone:
+    step 0 before any RL (the drift study's difficulty calibration)."""
     run_dir = Path(run_dir)
     meta, cks = run_dir / "run.json", checkpoints(run_dir)
-    if not meta.is_file() and not cks:  # else step 0 would be a fresh model's accuracy
-        raise FileNotFoundError(f"{run_dir}: not a run directory (no run.json, no checkpoints); "
-                                "python -m minite rl --out writes one")
+    warm_start = spec.init is not None or spec.model_cfg.get("checkpoint")
+    if not meta.is_file() and not cks and not warm_start:  # else step 0 would be a fresh model's accuracy
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no run.json, no checkpoints) and no --checkpoint "
+                                "to evaluate; python -m minite rl --out writes a run")
     if spec.init is None and meta.is_file():
         init = json.loads(meta.read_text()).get("init")
         spec = dataclasses.replace(spec, init=resolve_stored_path(init) if init else None)
