@@ -1,14 +1,16 @@
 """Attention for the sampler's decode step and the trainer's log-prob recompute, each beside its PyTorch reference.
 
     decode_attention(q, k_cache, v_cache, slot_ids, seq_lens, scaling, numerics="fast", splits=None,
-                     backend=None) -> [B, Hq, D]
+                     backend=None, check_values=True, head_groups=None) -> [B, Hq, D]
         One new token per sequence against its cache row. q [B, Hq, D]; k_cache / v_cache [slots, Hkv, S, D]
         (the per-layer view cache[l] of a [L, slots, Hkv, S, D] cache is fine: any strides, last dim
         contiguous); slot_ids [B] int32 (the cache row of each sequence) and seq_lens [B] int32 (keys
-        0 .. len - 1 valid, 1 <= len <= S), both on the device and read only there: no host sync, a fixed grid
-        (B, Hkv, splits), so a CUDA graph can capture it and replay it with new ids / lengths. A padding row
-        (slot of a dummy cache row, len 1) computes harmlessly. GQA: each program loads a KV head once for its
-        Hq / Hkv query heads (no repeat_interleave copy). Values outside those ranges are undefined on the GPU.
+        0 .. len - 1 valid, 1 <= len <= S), both on the device and read only there: no host sync, a grid
+        fixed per batch size ((B, Hkv, splits); (B, Hkv x head groups, splits) for the float64 Triton kernel),
+        so a CUDA graph can capture it and replay it with new ids / lengths. A padding row (slot of a dummy
+        cache row, len 1) computes harmlessly. GQA without a repeat_interleave copy: a program loads its KV head
+        once for the query heads it takes (all Hq / Hkv, or a 1 / ``head_groups`` share in float64). Values
+        outside those ranges are undefined on the GPU.
         numerics "fast": bf16 dots, fp32 softmax/accumulators (what SDPA does); bits depend on ``splits``.
         numerics "invariant": float64 throughout, bitwise equal to ``invariant_attention_reference`` and
         to ``invariant_attention`` at the same positions, whatever ``splits``. On CUDA: the fp64 tensor-core
@@ -168,7 +170,8 @@ def f64_head_groups(batch: int, kv_heads: int, rep: int, device: torch.device) -
 
 
 def default_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """KV splits per sequence: enough programs for ~4 per SM, no more than whole 64-key blocks at max_len.
+    """KV splits per sequence: enough programs for ~4 per SM, at most max_len / 128 (two 64-key blocks a split)
+    rounded up to a power of two, and MAX_SPLITS.
     A function of shapes only (fixed per captured batch size)."""
     want = -(-4 * _sm_count(device) // max(1, batch * kv_heads))
     return max(1, min(_pow2(want), MAX_SPLITS, _pow2(max(1, max_len // (2 * F64_BN)))))

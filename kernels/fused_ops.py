@@ -22,11 +22,12 @@ Why the passes look as they do. A decode step at batch 64 is ~370 launches, most
 ops at 2-4 us each even inside a CUDA graph; these ops are most of them. Element-wise arithmetic can be
 fused without changing a bit (the kernels do the reference's fp32 operations in its order, round where it
 rounds, use IEEE division and the CUDA math library's expf / rsqrtf, and are compiled without FMA
-contraction), but a reduction only in torch's own order. So an RMSNorm is two launches instead of eight or
-nine: a pass that writes the (residual-added) input and its mean square, the mean summed in the order of
-torch's mean kernel (below), and one pass for the rest; where that order is not covered, torch's mean runs
-between them on the squares. Where the pass takes the mean itself, the whole norm is one pass. The experts'
-combine likewise sums over k in the order of torch's sum; the norm after the experts takes it in its pass.
+contraction), but a reduction only in torch's own order. So an RMSNorm is one launch instead of eight or
+nine where its pass can take the mean in the order of torch's mean kernel (below: rows of 128 J < 8192, every
+shipped model): residual add, mean square, normalisation and weight in one pass. Other widths take three: a
+pass that writes the (residual-added) input and its squares, torch's mean on them, and one pass for the rest.
+The q/k norms likewise take their means in the rotary pass. The experts' combine sums over k in the order of
+torch's sum; the norm after the experts takes it in its pass.
 
 Every mean has the bits of a torch call of at least MEAN_MIN_ROWS rows (``row_mean``). torch's CUDA reduction
 sums a row in an order that depends on how many rows the call has when it has fewer than 16 (its block gets wider,

@@ -1,4 +1,4 @@
-"""Public NVFP4 GEMMs: ``nvfp4_gemm`` (a @ w.T) and ``grouped_nvfp4_gemm`` (MoE, one launch).
+"""Public NVFP4 GEMMs: ``nvfp4_gemm`` (a @ w.T) and ``grouped_nvfp4_gemm`` (MoE, one GEMM launch for all experts).
 
 Paths, chosen per call (``_backend.resolve`` + the device's capability):
     Hopper / older CUDA, and CPU with backend="triton" (interpreter): ``_triton_gemm`` (decode to fp16,
@@ -107,7 +107,7 @@ def cuda_config(m: int, n: int = 0) -> dict:
     """CUDA decode kernel config for M token rows (of an [N, K] weight, when N is given). One chain over K: one
     n8 token tile per CTA up to 16 rows (M 9..16: two CTAs share a weight slice through L2, cheaper than a
     second mma chain per warp), 4 warps x 16 weight rows, an 8-step cp.async ring (5 steps ahead of the
-    decode), token fragments for all of K when they fit (SEG 0). Up to 32 rows without N: two token tiles.
+    decode), token fragments for all of K when they fit (SEG 0). Above 16 rows without N: two token tiles.
     Above 16 rows with N known, by the chains (a warp's 16 weight rows x a CTA's NT token tiles, one serial
     mma chain over K each): the fewest token tiles per CTA (1, 2, 4) whose chains fit one resident wave of
     8-warp CTAs (``DECODE_WAVE``), else 4; 8 warps, or 4 where the chains are no more than the GPU's warp
@@ -145,8 +145,9 @@ def _configs(m: int, n: int, interpret: bool) -> dict:
     values to the same fp16 -> fp32 dot in the same K order, so row bits should not depend on the choice;
     that is not assumed: on first use each config is run beside SAFE_CONFIG on a probe problem and used only
     if the outputs are bitwise equal (else, or if it does not fit the GPU, SAFE_CONFIG serves that M).
-    Why these: M <= 16 is memory-bound (stream 4.5 bits/weight, decoded in the loop); above, the tensor
-    cores bound it and in-loop decoding would cost as much ALU time as they take: pre-decode both (f16).
+    Why these: M <= 16 is memory-bound (stream 4.5 bits/weight, decoded in the loop); above 64 rows the tensor
+    cores bound it and in-loop decoding would cost as much ALU time as they take: pre-decode both (f16);
+    17-64 rows keep the in-loop decode (SAFE_CONFIG) where the CUDA kernel does not serve them.
     Decoding A in the loop (w16w) measured slower than the f16 pass even at N = 128..512."""
     if interpret:
         return dict(BM=32, BN=32, GROUP_M=4, num_warps=4, num_stages=1, variant="decode")
@@ -354,8 +355,10 @@ def _grouped_config(interpret: bool, prepared: bool, m: int = 0, e: int = 1, dev
     """Few rows per expert (M <= GROUPED_CUDA_ROWS * E on average: decode) -> the CUDA decode kernel, which
     reads only the packed weights of the experts in use. Else pre-decoded experts -> f16 for every M (A decoded
     by a pass, then a plain fp16 grouped GEMM). Packed experts -> the byte decode loop, or, once M >= 64 rows
-    per expert on average, f16 with the experts decoded on this call. Each non-fallback choice only where a
-    probe proved it bit-equal to the grouped decode loop on this GPU (so a row's bits do not depend on M)."""
+    per expert on average, f16 with the experts decoded on this call. For packed experts each non-fallback
+    choice only where a probe proved it bit-equal to the grouped decode loop on this GPU (so a row's bits do
+    not depend on M). Pre-decoded experts take f16 without that probe: their bits against the packed path
+    are checked by the GPU tests and kernel-bench's checks, not at first use on each GPU."""
     if interpret:
         return dict(BM=32, BN=32, num_warps=4, num_stages=1, variant="f16" if prepared else "decode")
     if cuda_ok and m <= GROUPED_CUDA_ROWS * e:
@@ -421,10 +424,11 @@ def grouped_cuda_config(m: int, e: int, k: int = 0, n: int = 0) -> dict:
     per tile).
     Where RG falls to 1 with short K and many rows per expert (few, narrow experts: the ``small`` model's 32
     experts, top-4, at 64-256 tokens), NT token tiles share each decoded weight step once the average expert
-    fills them: NT = 4 from 32 rows per expert, NT = 2 from 8 (H200 sweep, NT 1-4 x RG x W x D x CTAS, all
-    bitwise equal; gate_up 512x1024 at 256 tokens 36.7 -> 22.5 us, down 1024x256 33.5 -> 15.6 us; at 64
-    tokens 16.7 -> 10.2 and 14.5 -> 10.1). Where RG > 1 fills the GPU, NT = 1 stays: Qwen3-30B-A3B's down
-    2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against 80.7 with RG = 8."""
+    fills them: NT = 4 from 32 rows per expert (8 warps, a 4-step ring, RG 4), NT = 2 from 8 (H200 sweep,
+    NT 1-4 x RG x W x D x CTAS, all bitwise equal; gate_up 512x1024 at 256 tokens 36.7 -> 22.5 us, down
+    1024x256 33.5 -> 15.6 us; at 64 tokens 16.7 -> 10.2 and 14.5 -> 10.1). Where RG > 1 fills the GPU, NT = 1
+    stays: Qwen3-30B-A3B's down 2048x768 at 128 tokens (8 rows per expert) took 154.6 us with NT = 2 against
+    80.7 with RG = 8."""
     from ._cuda_decode import ROWS_PER_WARP, STEP_K
     short, three = 0 < k <= 8 * STEP_K, 0 < k <= 16 * STEP_K
     tiles, groups = min(m, e), n // ROWS_PER_WARP
@@ -645,7 +649,8 @@ def grouped_nvfp4_gemm(a: NVFP4Tensor, ws, offsets: torch.Tensor, out_dtype: tor
     """MoE GEMM: rows of a [M, K] sorted by expert; expert e owns rows offsets[e]:offsets[e+1] and
     out[rows] = a[rows] @ ws[e].T. ``ws``: a list of E NVFP4Tensors [N, K] or an ``NVFP4Experts`` (stacked,
     preferred: a list is stacked on every call). ``offsets``: int [E+1], offsets[0] == 0, non-decreasing,
-    offsets[E] == M; empty groups allowed. a may carry a per-row global scale [M]. One kernel launch.
+    offsets[E] == M; empty groups allowed. a may carry a per-row global scale [M]. One GEMM launch over every
+    expert (the Triton path adds a device-side tile-schedule launch, and its f16 variant a decode pass of a).
     ``k_segments`` S > 1: the experts' global scales are [E, S], one per equal K segment (K / S a multiple
     of 128; a transposed weight whose fused shards kept their own scales: ``backward_gemm``): each segment is
     summed from zero and the segment sums are added in order, each times its scale.

@@ -1,7 +1,7 @@
 """Batch-invariant BF16 GEMM for the high-precision linears on log-prob paths (router, lm_head).
 
     invariant_gemm(x, w, bias=None, backend=None, config=None, out_dtype=None) -> [M, N] = x @ w.T (+ bias),
-        rounded to x's dtype; stored as ``out_dtype`` (float32: the same values, for a log-softmax in fp32)
+        rounded to x's dtype; stored as ``out_dtype`` (float32: the same values, for an fp32 softmax: the router)
     invariant_gemm_parts(x, w, backend=None) -> [S, M, N] fp32 | None: its split-K partial sums, where it
         splits K (the router), for a consumer that adds them itself (the routing kernel)
     sum_parts(parts, dtype, out_dtype=None) -> [M, N]: the sum pass of those parts, invariant_gemm's bits

@@ -1,6 +1,6 @@
 """A token's log-prob without the [B, V] log-softmax: each row's max and log-sum in torch's order.
 
-    log_softmax_rows(logits, backend=None) -> torch.Tensor [B, V] | LogSoftmaxRows
+    log_softmax_rows(logits, backend=None, row_max=None) -> torch.Tensor [B, V] | LogSoftmaxRows
         ``torch.log_softmax(logits.float(), -1)`` for logits [B, V] (fp32, or the model's BF16 / FP16 values,
         widened), or, where torch's order is reproduced, its per-row statistics: ``LogSoftmaxRows(logits, mx,
         logsum)``, from which the log-prob of token j is (float(logits[j]) - mx) - logsum, the epilogue of

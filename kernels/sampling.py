@@ -9,7 +9,7 @@
         tokens whose probability reaches top_p (the token that crosses it included; ties: lowest id).
 
 Paths. ``sample_tokens_reference`` (PyTorch: softmax, cumsum over V, searchsorted) serves CPU tensors and
-every top_p < 1 call (it sorts). Plain sampling on CUDA runs two passes: one program per (row, block of
+every call given a top_p (it sorts). Plain sampling on CUDA runs two passes: one program per (row, block of
 BLOCK logits) for the block's max m of z = logits / t and its sum of exp(z - m) (one read of the logits), then
 one per row that takes the row's max M of the blocks' maxima, rescales each block's sum to it (s exp(m - M)),
 adds them up by a scan over the blocks, finds the block where the running sum crosses draw x total, and looks
@@ -37,7 +37,7 @@ kernel token against a float64 CDF.
         Copies, integer tests and torch's own log-softmax epilogue only, so both paths write the same values.
         Rows sharing a slot (padding rows on the dummy slot) write it in an unspecified order, as index_put does.
 
-    step_inputs(pos, slots, tokens, uniform, max_pos, backend=None) -> StepInputs
+    step_inputs(pos, slots, tokens, uniform, max_pos, backend=None, embed=None, ids=None, table=None) -> StepInputs
         A decode step's per-row inputs from the rows' positions and cache slots [B] int64, in one launch on CUDA
         (``step_inputs_reference``: the same as small PyTorch ops): ``slot_ids`` = slots and ``seq_lens`` = pos + 1
         as int32 (the decode attention's), ``nxt`` = min(pos + 1, max_pos) (where the step's token goes), and

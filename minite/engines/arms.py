@@ -60,7 +60,8 @@ class EngineRecipe:
         return self.precision == "nvfp4"
 
     def keeps_high_precision(self, kind: str, layer: int | None = None, num_layers: int | None = None) -> bool:
-        """True if a module of this kind ('q_proj', 'experts', 'router', 'lm_head', ...) stays BF16."""
+        """True if a module of this kind (``names.KINDS``: 'attention', 'experts', 'router', 'lm_head', ...)
+        stays BF16."""
         if not self.is_nvfp4 or kind in self.high_precision:
             return True
         if layer is not None and num_layers is not None:

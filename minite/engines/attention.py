@@ -7,10 +7,11 @@ different bits. Invariant attention runs every reduction in float64 on BF16/fp32
 output does not depend on reduction order or on how many masked keys ride along
 (``minite.kernels.attention.invariant_attention_reference`` states the argument).
 
-Where it runs: on CUDA, Triton kernels (``minite.kernels``): full sequences flash style (online softmax, no
-[T, T] float64 buffer), decode steps split over the KV cache with GQA and no copy of the cache; on CPU the
-PyTorch reference. Kernel and reference give the same bits, and so do the full-sequence and decode kernels
-at the same position: trainer log-probs == sampler log-probs.
+Where it runs: on CUDA, ``minite.kernels``: full sequences in a Triton kernel, flash style (online softmax,
+no [T, T] float64 buffer); decode steps on the fp64 tensor-core CUDA kernel where it is built (else Triton),
+split over the KV cache with GQA and no copy of the cache; on CPU the PyTorch reference. Kernel and reference
+give the same bits, and so do the full-sequence and decode kernels at the same position: trainer log-probs ==
+sampler log-probs.
 
 It is registered in transformers' ``AttentionInterface`` as ``"minite_invariant"`` (see
 ``register_attention``), for the trainer without a mask function (``register_trainer_attention``), and called

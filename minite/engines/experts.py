@@ -8,9 +8,9 @@ layer the arm keeps in high precision) runs transformers' own ``grouped_mm`` for
 
 NVFP4 path: tokens sorted by expert; the activations of all experts are quantized in one call (per-row or
 per-tensor amax per the arm); the grouped GEMM is ``minite.kernels.grouped_nvfp4_gemm`` on gemm "kernel"
-(a per-expert loop over ``minite.engines.gemm.nvfp4_gemm`` only if that kernel is missing) or, on gemm
-"emulated", dequantize + one BF16 ``torch._grouped_mm``. gate_up's gate and up halves keep separate global
-scales when ``fused_shards: per_shard`` (one NVFP4 tensor per expert with a per-row global scale [2I]).
+(its exact PyTorch path on CPU) or, on gemm "emulated", dequantize + one BF16 ``torch._grouped_mm``. gate_up's
+gate and up halves keep separate global scales when ``fused_shards: per_shard`` (one NVFP4 tensor per expert
+with a per-row global scale [2I]).
 Backward: TE's treatment as in ``quant_linear`` — dgrad with SR-quantized dy against the quantized W,
 wgrad per expert with both operands quantized along tokens (RHT), expert segments zero-padded (the quantizer
 gathers each padded segment from the sorted rows itself: no padded copies). On gemm "kernel" both run on the
@@ -73,7 +73,8 @@ def bf16_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tor
 
 
 def grouped_nvfp4(a, qw: Q.QWeight, offsets: torch.Tensor, out_dtype) -> torch.Tensor:
-    """The one call site of the grouped W4A4 kernel (minite.kernels: one launch; exact PyTorch path on CPU)."""
+    """The one call site of the grouped W4A4 kernel (minite.kernels: one GEMM launch for all experts; exact
+    PyTorch path on CPU)."""
     return Q._kernels.grouped_nvfp4_gemm(a, qw.experts(), offsets, out_dtype=out_dtype)
 
 

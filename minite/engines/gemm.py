@@ -4,8 +4,8 @@ GEMM paths (``EngineRecipe.gemm``):
     "emulated"  what TE on Hopper and vLLM's NVFP4 emulation do without FP4 tensor cores: dequantize both
                 operands to BF16, then a BF16 matmul (cuBLAS on GPU). Its reduction order depends on M.
     "kernel"    minite's W4A4 kernel (``minite.kernels.nvfp4_gemm``): exact block products, fp32 accumulate,
-                one fixed K order — batch-invariant, so trainer (M = tokens) and sampler (M = 1 per decode
-                step) get bitwise-identical rows. On CPU it is an exact float64-accumulation path.
+                one fixed K order — batch-invariant, so trainer (M = tokens) and sampler (M = the decode
+                batch's rows per step) get bitwise-identical rows. On CPU it is an exact float64-accumulation path.
     "bf16"      plain BF16 matmul (no quantization).
 (The trainer's "te" path lives in ``minite.engines.te_backend`` and needs Transformer Engine.)
 
@@ -113,7 +113,7 @@ def hp_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool, bias: torc
     aligned arm's router / lm_head are therefore fixed-order fp32 (they were float64-accumulated before).
     With autograd on (the learner update) it stays a cuBLAS BF16 GEMM: that path only feeds gradients.
     ``out_dtype`` float32: the same x-dtype values, stored wider (the invariant GEMM writes them so, with no
-    cast pass after it: the sampler's logits before their fp32 log-softmax).
+    cast pass after it: the router's logits before their fp32 softmax).
     """
     if _runs_invariant(invariant):
         lead, k = x.shape[:-1], x.shape[-1]

@@ -5,8 +5,9 @@ A model YAML uses upstream ``Qwen3MoeConfig`` field names (schema: configs/schem
 local HF checkpoint dir; nothing is ever downloaded). ``num_layers`` slices the depth at full width.
 
 Every GEMM dimension must be a multiple of 16 (NVFP4 blocks are 16 wide along K; weight tiles are 16x16):
-``check_gemm_dims`` raises ``ModelConfigError`` otherwise. The router's N (= num_experts) is exempt: an arm
-that quantizes the router uses 1x16 weight blocks when N % 16 != 0.
+``check_gemm_dims`` raises ``ModelConfigError`` otherwise. The router's N (= num_experts) and the lm_head's N
+(the vocabulary) are exempt: an arm that quantizes the router uses 1x16 weight blocks when N % 16 != 0; the
+lm_head then stays BF16.
 """
 from __future__ import annotations
 

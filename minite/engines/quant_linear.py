@@ -117,7 +117,7 @@ class QuantState:
 class QWeight:
     """Quantized weight(s): codes uint8 [(E,) N, K/2], scales e4m3 [(E,) N, K/16], global_scale fp32
     [(E,)] or [(E,) N] (per-shard scales spelled out per row), and ``dq`` = the dequantized BF16 values
-    (what the emulated GEMMs and dgrad use)."""
+    (what the emulated GEMMs, and dgrad off the codes path, use)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -234,7 +234,8 @@ class WeightCache:
 # --------------------------------------------------------------------------------- activations / grads
 # Backward operands: tensor amax, formula "te", 1x16 blocks; no NaN check per call (a host sync each): the
 # update's grad-norm check catches NaN/Inf gradients before any optimizer step. Each is one call of
-# minite.kernels (an amax pass and one cast pass that writes the BF16 values the GEMMs multiply).
+# minite.kernels (an amax pass and one cast pass that writes the NVFP4 codes the kernel GEMMs read, or on the
+# emulated path the BF16 values its GEMMs multiply).
 def quantize_act(x2d: torch.Tensor, state: QuantState) -> nvfp4.NVFP4Tensor:
     """Forward activations per the recipe (gemm.quantize_activation: minite.kernels on CUDA), timed."""
     state.act_quantizations += 1

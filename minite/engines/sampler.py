@@ -211,7 +211,7 @@ class Sampler:
     def _layers(self, ids, pos, slots, decode=None, capture=None, calib=None, valid=None, inputs=None):
         """ids [B, T] at positions pos [B, T] of cache slots [B] -> (residual stream, last block's output)
         [B, T, H], before the final norm (the output: a tensor, or the experts' ``RoutedRows`` with their k-sum
-        left to that norm). ``capture(layer, op, positions, tensor)``: module docstring. ``inputs``: (the
+        left to that norm). ``capture(layer, op, positions, tensor)``: see ``score``. ``inputs``: (the
         embedding of ids, its rotary tables or None), where already gathered."""
         w = self.weights
         mode = self.recipe.non_gemm

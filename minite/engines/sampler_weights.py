@@ -10,7 +10,8 @@ up), then, per ``arm.sampler``:
 ``build_sampler_weights(payload, recipe, hf_config)`` does this; the payload format is ``minite.engines.sync``'s.
 NVFP4 experts are stacked once (``minite.kernels.NVFP4Experts``, what the grouped GEMM reads; the per-expert
 list is views into it). ``SamplerWeights.prepare(recipe)`` then makes the decode-time forms, once per sync and
-never inside a decode step: BF16 dequantized copies for the emulated GEMM path and static activation scales as
+never inside a decode step: BF16 dequantized copies for the emulated GEMM path, for the kernel path the dense
+weights' fp16 copies and fragment-order codes (``kernels.decode_layout``), and static activation scales as
 host numbers. ``SamplerWeights.copy_(other)`` updates the weights in place (a re-sync keeps the tensors that
 captured CUDA graphs read).
 """

@@ -2,8 +2,9 @@
 
 UNTESTED HERE: the development machines have no Transformer Engine and no FP4 tensor cores (H200 is Hopper;
 TE's NVFP4 recipe needs sm_100+). It is kept deliberately thin so what it does is easy to audit:
-    - the q/k/v/o projections (and lm_head / router when the arm quantizes them) become ``te.pytorch.Linear``
-      modules holding the same weights (same parameter names: ``...q_proj.weight``);
+    - the q/k/v/o projections (and lm_head when the arm quantizes it) become ``te.pytorch.Linear``
+      modules holding the same weights (same parameter names: ``...q_proj.weight``); a quantized router keeps
+      minite's NVFP4 router (``quant_linear.make_router``, emulated GEMM);
     - every trainer forward runs under TE's autocast with ``NVFP4BlockScaling()`` — TE's default NVFP4 recipe
       (16x16 weight tiles, 1x16 activations, SR + RHT on gradients), i.e. what the naive arm emulates;
     - the MoE experts keep minite's own NVFP4 grouped path (``minite.engines.experts``): mapping the 3D HF

@@ -1,14 +1,14 @@
 """The flags the jobs share, spelled once, and what they load.
 
-    --arm ARM             an arm: bf16 | naive_te_nvfp4 | minite_nvfp4, or an arm YAML
-    --model MODEL         tiny | small | qwen3_30b_a3b, or a model YAML
+    --arm ARM             a shipped arm (configs/arms/), or an arm YAML
+    --model MODEL         a shipped model (configs/models/), or a model YAML
     --layers N            decoder layers kept (a full-width depth slice)
     --device DEV          cuda | cuda:N | cpu (default: cuda when available)
     --seed N
     --checkpoint DIR      the weights to start from: an SFT directory (python -m minite sft) or a local HF
                           checkpoint (default: the model config's checkpoint, else a seeded random init)
     --out PATH            where the job writes
-    --rl-config NAME      RL config (configs/rl/<name>.yaml: cpu | h200 | b300) or a YAML path; with
+    --rl-config NAME      RL config (configs/rl/<name>.yaml) or a YAML path; with
     --set SEC.KEY=VALUE   overrides of single values (repeatable)
     --no-progress         no progress bar
     --torch-profile CSV   torch.profiler table of one more learner update (bench-learner) or generate (bench-sampler)
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from minite.yamlconfig import known_configs
+
 RL_CONFIG_DEFAULT = "cpu"
 
 
@@ -30,11 +32,11 @@ def _old_spelling(p: argparse.ArgumentParser, flag: str, dest: str, **kw) -> Non
 
 def add_arm(p, *, required: bool = True, default: str | None = None, help: str | None = None) -> None:
     p.add_argument("--arm", required=required, default=default,
-                   help=help or "bf16 | naive_te_nvfp4 | minite_nvfp4 (or an arm YAML)")
+                   help=help or f"{' | '.join(known_configs('arm'))} (or an arm YAML)")
 
 
 def add_model(p, default: str = "tiny") -> None:
-    p.add_argument("--model", default=default, help="tiny | small | qwen3_30b_a3b (or a model YAML)")
+    p.add_argument("--model", default=default, help=f"{' | '.join(known_configs('model'))} (or a model YAML)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (full-width depth slice)")
     _old_spelling(p, "--num-layers", "layers", type=int)
 
@@ -59,7 +61,7 @@ def add_out(p, *, required: bool = True, help: str = "output path") -> None:
 
 def add_rl_config(p, default: str | None = RL_CONFIG_DEFAULT, help: str | None = None) -> None:
     p.add_argument("--rl-config", dest="rl_config", default=default,
-                   help=help or "RL config (configs/rl/<name>.yaml: cpu | h200 | b300) or a YAML path")
+                   help=help or f"RL config ({' | '.join(known_configs('rl'))}) or a YAML path")
     _old_spelling(p, "--profile", "rl_config")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one RL config value (YAML syntax), e.g. --set rl.lr=1e-5; repeatable")

@@ -11,7 +11,7 @@
     drift.py        drift alarm (CUSUM on log k3) and reward-collapse detector
     sft.py          cached SFT warm start (bf16 trainer) shared by every arm
     evaluate.py     held-out mean@k per checkpoint with the sampler engine
-    config.py       configs/rl/<name>.yaml (cpu | h200 | b300)
+    config.py       configs/rl/<name>.yaml, one per profile
 Tasks (problems, prompts, rewards) are ``minite.tasks``.
 
 Jobs (``python -m minite ...``):

@@ -6,7 +6,8 @@ One step (docs/ENGINES.md):
   3. score     the trainer recomputes the sampled tokens' log-probs (``trainer.logprobs``): these are the
                PPO "old" log-probs (no importance-sampling correction unless ``rl.tis_cap`` is set), and
                against the sampler's they give the mismatch metrics (``minite.diagnostics.metrics``)
-  4. update    ``trainer.update(batch, loss_fn=grpo_loss)`` (one learner update per step)
+  4. update    ``trainer.update(batch, loss_fn=make_loss_fn(...))`` (``grpo.token_loss_sum`` under the
+               trainer's loss contract; one learner update per step)
   5. sync      ``sync_weights(trainer, sampler)``
 and one JSONL line per step (``stability.jsonl``; keys ending in ``_s`` / ``_per_s`` are timings, everything
 else is a deterministic function of the seed). Phases: ``generate_s`` = sampling + reward checking,
