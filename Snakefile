@@ -1,7 +1,7 @@
 # minite pipeline: BF16 vs naive TE NVFP4 vs miniTE NVFP4 (docs/PIPELINE.md).
 #   snakemake --cores all throughput_table                        # cpu profile (embedded tiny model)
 #   snakemake --profile workflow/profiles/h200 throughput_table   # one H200
-#   snakemake --cores all --config arms=[minite_nvfp4] stability  # one arm
+#   snakemake --cores all stability --config arms=[minite_nvfp4]  # one arm (the target before --config)
 #   snakemake --profile workflow/profiles/drift drift_study       # the drift study (two H200s)
 # Rules live in workflow/rules/; the config of each profile in workflow/profiles/<profile>/pipeline.yaml,
 # validated by workflow/schemas/config.schema.yaml.

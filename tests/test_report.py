@@ -538,6 +538,20 @@ def test_cli_table_and_figure(results):
     assert bad.returncode != 0 and "nope" in bad.stderr
 
 
+def test_cli_bad_input_is_one_line(results, capsys):
+    """A missing or torn result file and a missing flag: exit 2, one line naming the file, no traceback."""
+    from minite.report.__main__ import main
+    assert main(["table", "--results", str(results), "--arms", "bf16", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope/learner.json does not exist" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    (results / "bf16" / "learner.json").write_text('{"tokens_per_s": ')
+    assert main(["table", "--results", str(results), "--arms", *ARMS]) == 2
+    err = capsys.readouterr().err
+    assert "bf16/learner.json: not valid JSON" in err and len(err.splitlines()) == 1
+    assert main(["figure", "drift", "--results", str(results), "--arms", "bf16"]) == 2
+    assert "--out is required" in capsys.readouterr().err
+
+
 def _diagnostics(results, arms=ARMS):
     for arm in arms:
         d = results / arm / "diagnostics"

@@ -62,7 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Missing or unreadable result files and bad arguments end in one line on stderr and exit status 2."""
     a = build_parser().parse_args(argv)
+    try:
+        return _run(a)
+    except (ValueError, OSError) as e:  # ResultError is a ValueError
+        print(f"python -m minite.report {a.what}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(a) -> int:
     if a.what == "table":
         df = tables.write_throughput_table(a.results, a.arms, a.out, a.profile, a.reference)
         print(df.to_string(index=False))
@@ -84,13 +93,13 @@ def main(argv=None) -> int:
     if a.what == "results-table":
         from minite.report.results_table import write_results_table
         if not a.arms:
-            raise SystemExit("results-table needs --arms")
+            raise ValueError("results-table needs --arms")
         print(write_results_table(a.results, a.arms, a.out, a.profile).to_string(index=False))
         return 0
     if not a.out:
-        raise SystemExit("--out is required for figures")
+        raise ValueError("--out is required for figures")
     if a.name != "kernels" and not a.arms:
-        raise SystemExit(f"figure {a.name} needs --arms")
+        raise ValueError(f"figure {a.name} needs --arms")
     if a.name == "throughput":
         learner, rollout = load.load_learner(a.results, a.arms), load.load_rollout(a.results, a.arms)
         figures.throughput_bars(tables.throughput_table(learner, rollout), a.out,  # both runs' sha in the footer

@@ -25,6 +25,14 @@ class ResultError(ValueError):
     """A result file is missing a field the report needs, or holds a non-finite number."""
 
 
+def read_json(path: Path):
+    """A result file's JSON; a torn or corrupt file is a ResultError naming it (a job killed mid-write)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ResultError(f"{path}: not valid JSON ({e}); rerun the job that writes it") from None
+
+
 _SEED_RUN = re.compile(r"^(?P<arm>[a-z0-9_]+?)_seed(?P<seed>[0-9]+)$")
 
 
@@ -59,7 +67,7 @@ def load_learner(results_dir, arms, missing: str = "raise", rel: str = "learner.
     ``rel``: another bench-learner record of the arm's directory (a round: ``minite.report.rounds``)."""
     out = {}
     for arm, path in _paths(results_dir, arms, rel, missing).items():
-        rec = json.loads(path.read_text())
+        rec = read_json(path)
         if not isinstance(rec, dict):
             raise ResultError(f"{path}: expected a JSON object, got {type(rec).__name__}")
         rec = {**rec.get("provenance", {}), **{k: v for k, v in rec.items() if k != "provenance"}}
@@ -80,7 +88,7 @@ def load_rollout(results_dir, arms, missing: str = "skip", rel: str = "rollout.j
     directory (a round: ``minite.report.rounds``)."""
     out = {}
     for arm, path in _paths(results_dir, arms, rel, missing).items():
-        rec = json.loads(path.read_text())
+        rec = read_json(path)
         if not isinstance(rec, dict) or "decode_tokens_per_s" not in rec or "roofline_frac" not in rec:
             raise ResultError(f"{path}: not a bench-sampler record (decode_tokens_per_s, roofline_frac)")
         out[arm] = {**rec.get("provenance", {}), **{k: v for k, v in rec.items() if k != "provenance"}}
@@ -118,8 +126,7 @@ def load_stability(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
 
 
 def load_stability_summary(results_dir, arms, missing: str = "raise") -> dict[str, dict]:
-    return {arm: json.loads(p.read_text())
-            for arm, p in _paths(results_dir, arms, "stability_summary.json", missing).items()}
+    return {arm: read_json(p) for arm, p in _paths(results_dir, arms, "stability_summary.json", missing).items()}
 
 
 def load_evals(results_dir, arms, missing: str = "raise") -> pd.DataFrame:
@@ -173,7 +180,7 @@ def load_diagnostics(results_dir, arms, missing: str = "raise") -> dict[str, dic
     """arm -> {"mismatch": dict, "layers": DataFrame, "attribution": DataFrame} (each present file)."""
     out = {}
     for arm, path in _paths(results_dir, arms, "diagnostics/mismatch.json", missing).items():
-        d = {"mismatch": json.loads(path.read_text())}
+        d = {"mismatch": read_json(path)}
         for name in ("layers", "attribution"):
             p = path.parent / f"{name}.csv"
             if p.exists():

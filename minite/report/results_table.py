@@ -23,13 +23,13 @@ seed):
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pandas as pd
 
 from minite.provenance import write_csv, write_text
+from minite.report import load
 from minite.report.load import ResultError, column, load_heldout, load_stability, load_stability_summary, parse_run
 
 COLUMNS = ["arm", "seeds", "steps", "heldout_start", "heldout_start_spread", "heldout_best", "heldout_best_spread",
@@ -52,7 +52,7 @@ def _run_record(results_dir: Path, run: str, stab: pd.DataFrame, held: pd.DataFr
     prov = summary.get("provenance")
     if prov is None:
         meta = Path(results_dir) / run / "run.json"
-        prov = json.loads(meta.read_text()).get("provenance", {}) if meta.exists() else {}
+        prov = load.read_json(meta).get("provenance", {}) if meta.exists() else {}
     if summary:
         alarm, collapse = summary.get("alarm_step"), summary.get("collapse_step")
         watch = {m: s for m, s in (summary.get("alarms") or {}).items() if m != summary.get("drift_metric")}
