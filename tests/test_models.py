@@ -75,6 +75,15 @@ def test_gemm_dims_not_multiple_of_16_rejected():
         load_model_config("tiny", num_layers=3)
 
 
+def test_head_and_expert_counts_rejected_with_their_own_message():
+    raw = load_model_config("tiny")
+    with pytest.raises(ModelConfigError, match=r"num_attention_heads \(4\) is not a multiple of num_key_value_heads"):
+        load_model_config({**raw, "num_attention_heads": 4, "num_key_value_heads": 3})
+    with pytest.raises(ModelConfigError, match=r"num_experts_per_tok \(99\) > num_experts") as e:
+        load_model_config({**raw, "num_experts_per_tok": 99})
+    assert "multiples of 16" not in str(e.value)
+
+
 def test_checkpoint_must_be_a_local_hf_dir(tmp_path):
     cfg = load_model_config("tiny")
     with pytest.raises(ModelConfigError, match="never downloads"):

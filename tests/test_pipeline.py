@@ -80,7 +80,7 @@ def test_dry_run_h200_profile(wf):
     assert jobs.get("kernel_bench_csv") == 1 and jobs.get("bench_learner") == 1 and jobs.get("rl") == 3
     assert "results/h200/minite_nvfp4/learner.json" in r.stdout and "--rounds 3" in r.stdout
     # the throughput slice: Qwen3-30B-A3B, 2 layers, 16 x 2048 tokens per update, on the GPU
-    cmd = next(ln for ln in r.stdout.splitlines() if "minite.report run-rounds" in ln)
+    cmd = next(ln for ln in r.stdout.splitlines() if "minite.report run-rounds --bench learner" in ln)
     for flag in ("--model qwen3_30b_a3b", "--layers 2", "--seq-len 2048", "--tokens-per-update 32768",
                  "--device cuda"):
         assert flag in cmd, cmd
@@ -217,6 +217,23 @@ def test_recorded_paths_are_relative(wf):
 def test_bad_config_is_a_clear_error(wf, config, message):
     r = smk(wf, "-n", "throughput_table", "--config", *config, check=False)
     assert r.returncode != 0 and message in r.stdout + r.stderr
+
+
+def test_broken_arm_or_model_yaml_fails_the_dry_run(wf):
+    """A configured arm or model that its job would refuse fails when the pipeline is parsed, not after the
+    jobs before it (the SFT warm start) have run."""
+    arm = (wf / "configs" / "arms" / "bf16.yaml").read_text().replace("gemm: bf16", "gemm: fast", 1)
+    assert "gemm: fast" in arm
+    (wf / "configs" / "arms" / "broken.yaml").write_text(arm)
+    r = smk(wf, "-n", "stability", "--config", "arms=[broken]", check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "config 'arms'" in out and "fast" in out
+    bad = wf / "bad_model.yaml"
+    bad.write_text((wf / "configs" / "models" / "tiny.yaml").read_text().replace("hidden_size: 128",
+                                                                                 'hidden_size: "abc"'))
+    r = smk(wf, "-n", "stability", "--config", f"jobs={{rl: {{model: {bad}}}}}", check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "jobs.rl.model" in out and "hidden_size" in out, out[-2000:]
 
 
 def test_unknown_arm_output_is_not_a_target(wf):

@@ -15,8 +15,6 @@ import copy
 import json
 from pathlib import Path
 
-import torch
-
 from minite.yamlconfig import load_yaml, validate
 
 MODELS = ("tiny", "small", "moe64", "qwen3_30b_a3b")  # the shipped models
@@ -52,13 +50,15 @@ def check_gemm_dims(cfg: dict, source: str = "<dict>") -> None:
             bad.append(f"{name} K={k}")
         if n % 16 and name not in ("router", "lm_head"):  # router: 1x16 fallback; lm_head stays BF16
             bad.append(f"{name} N={n}")
-    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
-        bad.append("num_attention_heads not a multiple of num_key_value_heads")
-    if cfg["num_experts_per_tok"] > cfg["num_experts"]:
-        bad.append("num_experts_per_tok > num_experts")
     if bad:
         raise ModelConfigError(f"model {source}: NVFP4 needs every GEMM's K and N to be multiples of 16: "
                                + ", ".join(bad))
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ModelConfigError(f"model {source}: num_attention_heads ({cfg['num_attention_heads']}) is not a "
+                               f"multiple of num_key_value_heads ({cfg['num_key_value_heads']})")
+    if cfg["num_experts_per_tok"] > cfg["num_experts"]:
+        raise ModelConfigError(f"model {source}: num_experts_per_tok ({cfg['num_experts_per_tok']}) > num_experts "
+                               f"({cfg['num_experts']})")
 
 
 def load_model_config(name_or_path: str | Path | dict, num_layers: int | None = None) -> dict:
@@ -98,10 +98,13 @@ def build_hf_config(model_cfg: dict, attn_implementation: str | None = None,
 
 
 def build_hf_model(model_cfg: dict, hf_config, seed: int = 0, checkpoint: str | None = None,
-                   dtype=torch.bfloat16, device="cpu"):
-    """Random-init (seeded, created directly in ``dtype`` on ``device``) or local-checkpoint
+                   dtype=None, device="cpu"):
+    """Random-init (seeded, created directly in ``dtype`` on ``device``; default BF16) or local-checkpoint
     ``Qwen3MoeForCausalLM``. A checkpoint loads on CPU; the caller moves the model."""
+    import torch  # here, not at the top: loading a model config (the pipeline checks them) needs no torch
     from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+    dtype = torch.bfloat16 if dtype is None else dtype
 
     ckpt = checkpoint if checkpoint is not None else model_cfg.get("checkpoint")
     if ckpt:

@@ -74,6 +74,33 @@ if _missing:
     raise WorkflowError(f"unknown arm(s) {_missing} in config 'arms' (configs/arms/ has: {', '.join(_known)})")
 
 
+def _check_configs():
+    """Every configured arm and model YAML checked now, as the jobs will load them: a broken one fails here,
+    not in the first job that reads it after hours of the jobs before it. Where this interpreter has no minite
+    (snakemake installed apart from it), the jobs still check them."""
+    try:
+        from minite.engines.arms import load_arm
+        from minite.engines.models import load_model_config
+    except ImportError:
+        return
+    for a in ARMS:
+        try:
+            load_arm(REPO / "configs" / "arms" / f"{a}.yaml")
+        except ValueError as e:
+            raise WorkflowError(f"config 'arms': {e}") from None
+    for name, j in config["jobs"].items():
+        model = j.get("model")
+        if model:
+            p = REPO / "configs" / "models" / f"{model}.yaml"
+            try:
+                load_model_config(p if p.is_file() else model, num_layers=(j.get("args") or {}).get("layers"))
+            except ValueError as e:
+                raise WorkflowError(f"config 'jobs.{name}.model': {e}") from None
+
+
+_check_configs()
+
+
 wildcard_constraints:
     arm="|".join(re.escape(a) for a in ARMS),
 
