@@ -30,6 +30,16 @@ class RunDirectoryError(RuntimeError):
     """The run directory is busy (another writer) or holds another run's checkpoints."""
 
 
+def read_json(path, fix: str = "restore or delete it") -> dict:
+    """A JSON file of a run, a checkpoint or a warm start. A torn or hand-edited one is a one-line ValueError
+    naming the file and ``fix`` (json's own message names no file)."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: corrupt JSON ({e}); {fix}") from None
+
+
 @contextlib.contextmanager
 def single_writer(out: Path):
     """One process per run directory (stability.jsonl has one writer): an O_EXCL lock file holding the pid;
@@ -64,7 +74,8 @@ def check_run_id(out: Path, run_id: str) -> None:
     """Refuse to resume checkpoints that belong to a different run."""
     meta = Path(out) / "run.json"
     if meta.is_file() and latest_checkpoint(out) is not None:
-        old = json.loads(meta.read_text()).get("run_id")
+        old = read_json(meta, "it names the run its checkpoints belong to: restore it, or use a new --out"
+                        ).get("run_id")
         if old != run_id:
             raise RunDirectoryError(f"{out} holds checkpoints of a different run (run_id {old} != {run_id}: arm, "
                                     f"model, config, seed or init changed); use a new --out or delete it")
@@ -110,9 +121,26 @@ def save_checkpoint(out, step: int, trainer, loop_state: dict, keep: int | None 
 
 
 def load_checkpoint(path: Path, trainer) -> dict:
-    """Load the trainer state of checkpoint ``path``; returns its loop state."""
-    trainer.load(str(Path(path) / "trainer"))
-    return json.loads((Path(path) / "loop_state.json").read_text())
+    """Load the trainer state of checkpoint ``path``; returns its loop state. A damaged checkpoint (a disk that
+    filled up, a copy cut short) is a one-line error saying which step the run would resume from without it."""
+    path = Path(path)
+    earlier = [s for s, p in checkpoints(path.parent.parent) if p != path]
+    fix = f"delete {path} to resume from {f'step {earlier[-1]}' if earlier else 'the start'}"
+    state = read_json(path / "loop_state.json", fix)
+    load_trainer(trainer, path / "trainer", fix)
+    return state
+
+
+def load_trainer(trainer, path: Path, fix: str) -> None:
+    """``trainer.load(path)``, its unreadable-file errors (torch's name no file) as one line naming ``path``.
+    A ValueError (a checkpoint of another arm or model) already names it and passes through."""
+    try:
+        trainer.load(str(path))
+    except ValueError:
+        raise
+    except Exception as e:          # torch.load / DCP: RuntimeError, EOFError, UnpicklingError, KeyError ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"checkpoint {path} is unreadable ({first}); {fix}") from e
 
 
 def generator_state(gen: torch.Generator) -> str:

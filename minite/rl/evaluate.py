@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from minite import distributed as D
 from minite.engines.sync import sync_weights
 from minite.provenance import provenance, write_csv
-from minite.rl.checkpoints import checkpoints
+from minite.rl.checkpoints import checkpoints, load_trainer, read_json
 from minite.rl.rollout import rollout
-from minite.rl.spec import RunSpec, resolve_stored_path
+from minite.rl.spec import RunSpec, check_positions, resolve_stored_path
 
 COLUMNS = ["arm", "step", "k", "mean_at_k", "pass_at_k", "n_prompts", "temperature", "sha", "device", "date"]
 
@@ -42,16 +42,25 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
     if not meta.is_file() and not cks and not warm_start:  # else step 0 would be a fresh model's accuracy
         raise FileNotFoundError(f"{run_dir}: not a run directory (no run.json, no checkpoints) and no --checkpoint "
                                 "to evaluate; python -m minite rl --out writes a run")
-    if spec.init is None and meta.is_file():
-        init = json.loads(meta.read_text()).get("init")
+    run = read_json(meta, "rerun the same `python -m minite rl` command to rewrite it") if meta.is_file() else None
+    if run is not None:
+        check_same_task(spec, run, meta)
+    if spec.init is None and run is not None:
+        init = run.get("init")
         spec = dataclasses.replace(spec, init=resolve_stored_path(init) if init else None)
     arm, task, model_cfg, seed, device = spec.arm, spec.task, spec.model_cfg, spec.seed, spec.device
     ev = spec.cfg["eval"]
+    check_positions(model_cfg, task.max_prompt_len + ev["max_new_tokens"],
+                    f"task.max_prompt_len ({task.max_prompt_len}) + eval.max_new_tokens ({ev['max_new_tokens']})")
     everyone = task.heldout(ev["n_prompts"])
     problems = everyone[D.rank()::D.world_size()]      # this rank's prompts (all of them in one process)
     k = int(ev["k"])
     todo = ([(0, None)] if spec.init is not None or model_cfg.get("checkpoint") or not cks else []) + cks
     if steps is not None:
+        missing = sorted(set(steps) - {s for s, _ in todo})
+        if missing:                      # else the CSV silently lacks them
+            raise FileNotFoundError(f"{run_dir}: no checkpoint for step(s) {missing}; it has steps "
+                                    f"{[s for s, _ in todo]} (ckpt.keep may have removed older ones)")
         todo = [(s, p) for s, p in todo if s in set(steps)]
     if not todo:
         raise FileNotFoundError(f"{run_dir}: no checkpoints to evaluate (run `python -m minite rl` first)")
@@ -61,7 +70,7 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
     rows = []
     for step, path in tqdm(todo, desc=f"eval {arm.name}", disable=not progress, unit="ckpt"):
         if path is not None:
-            trainer.load(str(path / "trainer"))
+            load_trainer(trainer, path / "trainer", f"leave step {step} out of --steps, or delete {path}")
             sync_weights(trainer, sampler)
         rows.append({"arm": arm.name, "step": step, **heldout_accuracy(task, sampler, problems, ev, seed, step, chunk),
                      "temperature": ev["temperature"], "sha": prov["sha"], "device": prov["device"],
@@ -70,6 +79,20 @@ def evaluate_run(spec: RunSpec, run_dir, out_csv, *, steps: list[int] | None = N
     if D.is_main():
         write_csv(out_csv, df)
     return df
+
+
+def check_same_task(spec: RunSpec, run: dict, meta: Path) -> None:
+    """Refuse to evaluate a run on another task or seed than it trained on: the held-out split is keyed by the
+    seed, so with another seed "held-out" prompts may be the run's training prompts."""
+    if "seed" in run and run["seed"] != spec.seed:
+        raise ValueError(f"{meta}: the run used seed {run['seed']}, this evaluation seed {spec.seed} (another "
+                         f"held-out split, possibly the run's training prompts); use --seed {run['seed']}")
+    mine, theirs = json.loads(json.dumps(spec.task.config())), run.get("task")    # JSON: as run.json holds it
+    if theirs is not None and theirs != mine:
+        diff = [f"task.{k}: run {theirs.get(k)!r}, here {mine.get(k)!r}"
+                for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        raise ValueError(f"{meta}: the run trained on another task ({'; '.join(diff)}); evaluate with its "
+                         "--rl-config and task.* --set overrides")
 
 
 def heldout_accuracy(task, sampler, problems, ev: dict, seed: int, updates: int, chunk: int) -> dict:

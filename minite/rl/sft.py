@@ -21,7 +21,6 @@ size must split evenly), every rank scores the whole held-out set, and rank 0 wr
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -32,8 +31,10 @@ from tqdm.auto import tqdm
 
 from minite import distributed as D
 from minite.provenance import provenance, write_json
+from minite.rl.checkpoints import read_json
 from minite.rl.config import config_hash
 from minite.rl.data_parallel import local_rows
+from minite.rl.spec import check_positions
 from minite.tasks import sft_batch
 
 
@@ -46,7 +47,7 @@ def cached_sft(out_dir, key_hash: str) -> dict | None:
     meta = Path(out_dir) / "sft.json"
     if not meta.is_file():
         return None
-    info = json.loads(meta.read_text())
+    info = read_json(meta, "delete it (or pass --force) to retrain the warm start")
     if info.get("config_hash") == key_hash and (info.get("weights") is None
                                                 or (Path(out_dir) / "weights" / "config.json").is_file()):
         return info
@@ -64,7 +65,8 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     if not force and (hit := cached_sft(out, h)) is not None:
         return {**hit, "cache_hit": True}
     s = cfg["sft"]
-    out.mkdir(parents=True, exist_ok=True)
+    heldout = task.heldout(s["eval_prompts"])
+    check_sft_width(model_cfg, task, heldout)        # before the trainer is built; each batch again below
     t0 = time.perf_counter()
     # CPUs without bf16 GEMMs run the bf16 model ~3x slower than fp32; the warm start is shared by all arms
     # (not part of the comparison), so on CPU it computes in fp32. The masters are fp32 anyway; the saved
@@ -72,7 +74,6 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     dtype = compute_dtype(s.get("compute_dtype", "auto"), device)
     trainer = Trainer("bf16", model_cfg, device=device, seed=seed, lr=s["lr"],
                       micro_batch_size=s["micro_batch_size"], compute_dtype=dtype)
-    heldout = task.heldout(s["eval_prompts"])
     before = evaluate_teacher_forced(trainer, task, heldout)
     losses = []
     n = int(s["steps"])
@@ -80,7 +81,9 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     for step in bar:
         # cosine decay to 10% of lr: a short run at a high lr needs the anneal to settle (linear warm-up 5%)
         trainer.set_lr(s["lr"] * _lr_factor(step, n))
-        batch = sft_batch(task, task.train_batch(step, s["batch_size"], stream="sft"))
+        problems = task.train_batch(step, s["batch_size"], stream="sft")
+        check_sft_width(model_cfg, task, problems)
+        batch = sft_batch(task, problems)
         stats = trainer.update(local_rows(batch, s["batch_size"]))
         losses.append(float(stats["loss"]))
         if not math.isfinite(losses[-1]):
@@ -91,6 +94,7 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
 
     weights = None
     main = D.is_main()
+    out.mkdir(parents=True, exist_ok=True)      # only now: a run refused above leaves no directory
     if n > 0 or model_cfg.get("checkpoint") is None:
         tmp = out / ".weights.tmp"
         if main:
@@ -113,6 +117,14 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
         write_json(out / "sft.json", info)
     D.barrier()
     return {**info, "cache_hit": False}
+
+
+def check_sft_width(model_cfg: dict, task, problems) -> None:
+    """SFT sequences (prompt + answer + EOS) must fit the model's positions; a task's answer length has no
+    config key of its own (long_arithmetic's scratchpad grows with task.digits)."""
+    width = max((len(task.encode_prompt(p)) + len(task.encode_answer(p)) for p in problems), default=0)
+    check_positions(model_cfg, width, f"the SFT sequence width (prompt + answer + EOS of the task's {task.kind} "
+                                      "problems, task.* config)")
 
 
 def compute_dtype(choice: str, device: str) -> str:

@@ -5,19 +5,19 @@ the arm load it (``minite.engines.build_engines``); a sampler with static activa
 calibrated ONCE on the task's calibration prompts (the same on resume, so a resumed run has the same scales
 as the uninterrupted one).
 
-Paths written into results are relative (``stored_path``): to the repository when inside it, else to the
-working directory, never an absolute path of the machine that ran.
+Paths written into results (``stored_path``) are relative to the repository when inside it, so results
+do not hold the machine's checkout location; outside it they are absolute, since a path relative to the working
+directory would read back wrong from another one and, in the run id, make a resume from there "another run".
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from minite import distributed as D
 from minite.engines import build_engines
 from minite.engines.arms import Arm
+from minite.rl.checkpoints import read_json
 from minite.rl.config import config_hash, with_arm_settings
 from minite.tasks import Task
 
@@ -43,7 +43,7 @@ class RunSpec:
 
     @property
     def init_path(self) -> str | None:
-        """The warm start as stored in results (relative path), None without one."""
+        """The warm start as stored in results and hashed into the run id (``stored_path``), None without one."""
         return stored_path(self.init) if self.init else None
 
     def run_id(self) -> str:
@@ -78,7 +78,7 @@ def init_weights_path(init: str | Path) -> Path | None:
     None when the SFT directory recorded no weights (``sft.steps: 0``: the model config's own checkpoint)."""
     p = Path(init)
     if (p / "sft.json").is_file():
-        if json.loads((p / "sft.json").read_text()).get("weights") is None:
+        if read_json(p / "sft.json", "rerun `python -m minite sft --force` to rewrite it").get("weights") is None:
             return None
         p = p / "weights"
     if not p.exists():
@@ -87,24 +87,56 @@ def init_weights_path(init: str | Path) -> Path | None:
 
 
 def warm_start_weights(init) -> str | None:
-    """``init_weights_path`` as the engines take it (None: the model config's checkpoint or a seeded init)."""
+    """``init_weights_path`` as the engines take it (None: the model config's checkpoint or a seeded init),
+    its files checked first (``check_weights``)."""
     p = init_weights_path(init) if init else None
+    if p is not None:
+        check_weights(p)
     return str(p) if p is not None else None
 
 
+def check_weights(ckpt: Path) -> None:
+    """A one-line error naming the file for a truncated or corrupt config.json / safetensors file of a warm
+    start, before the engines load it (transformers' own error is a traceback naming no file). Reads only the
+    headers: safetensors checks that they cover the whole file, so a cut-short copy is caught here."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return                      # the engines explain what a checkpoint directory needs
+    fix = "copy the checkpoint again (or rerun `python -m minite sft --force`)"
+    if (ckpt / "config.json").is_file():
+        read_json(ckpt / "config.json", fix)
+    from safetensors import safe_open
+    for f in sorted(ckpt.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except Exception as e:      # SafetensorError (a Rust exception type), OSError
+            raise ValueError(f"{f}: unreadable safetensors file ({e}); {fix}") from None
+
+
+def check_positions(model_cfg: dict, width: int, what: str) -> None:
+    """Refuse, before any engine is built, sequences longer than the model's positions (RoPE past them is
+    silently out of distribution, not an error). ``what`` names the config keys that make ``width``."""
+    limit = int(model_cfg["max_position_embeddings"])
+    if width > limit:
+        raise ValueError(f"{what} = {width} tokens > model {model_cfg.get('name')}'s max_position_embeddings "
+                         f"{limit}: lower them or use a model with more positions")
+
+
 def stored_path(path: str | Path) -> str:
-    """``path`` as results store it: relative to the repository when inside it, else to the working
-    directory."""
+    """``path`` as results store it: relative to the repository when inside it, else absolute (resolved), so it
+    reads back, and hashes, the same from any working directory."""
     p = Path(path).resolve()
     if p.is_relative_to(REPO_ROOT):
         return p.relative_to(REPO_ROOT).as_posix()
-    return Path(os.path.relpath(p)).as_posix()
+    return p.as_posix()
 
 
 def resolve_stored_path(path: str | Path) -> Path:
-    """A path read back from results: a relative one as it is when it exists from the working directory (where
-    a job stored it from outside the repository), else against the repository when it exists there."""
+    """A path read back from results: an absolute one as is, a relative one against the repository when it
+    exists there, else from the working directory (results written before outside paths were stored absolute
+    held them relative to the job's working directory)."""
     p = Path(path)
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
+    if not p.is_absolute() and (REPO_ROOT / p).exists():
         return REPO_ROOT / p
     return p

@@ -43,6 +43,7 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ from minite.rl import data_parallel as dp
 from minite.rl.drift import CollapseDetector, DriftAlarm, DriftWatch, lead_steps
 from minite.rl.grpo import group_advantages, make_loss_fn, tis_weights
 from minite.rl.rollout import sequence_accuracy
-from minite.rl.spec import RunSpec, stored_path
+from minite.rl.spec import RunSpec, check_positions, stored_path
 from minite.rl.step_metrics import StepMetrics
 
 log = logging.getLogger(__name__)
@@ -100,18 +101,41 @@ def _after_step(step: int) -> None:
 def run_stability(spec: RunSpec, out_dir, steps: int, *, ckpt_every: int | None = None,
                   progress: bool = True) -> dict:
     """Run (or resume) ``steps`` GRPO steps of ``spec``; returns the summary dict (also written to disk)."""
-    out = Path(out_dir)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    out, main = Path(out_dir), D.is_main()
+    sc = StepConfig.from_config(spec.cfg["rl"])           # config errors before the directory exists
+    check_positions(spec.model_cfg, spec.task.max_prompt_len + sc.max_new_tokens,
+                    f"task.max_prompt_len ({spec.task.max_prompt_len}) + rl.max_new_tokens ({sc.max_new_tokens})")
+    # rank 0 alone creates the directory: another rank could re-create it after rank 0 removed it on failure
+    created = main and not out.exists()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    D.barrier()
     try:
-        with ck.single_writer(out) if D.is_main() else contextlib.nullcontext():
-            return _run(spec, out, steps, int(ckpt_every or spec.cfg["ckpt"]["every"]), progress)
+        with ck.single_writer(out) if main else contextlib.nullcontext():
+            return _run(spec, sc, out, steps, int(ckpt_every or spec.cfg["ckpt"]["every"]), progress)
+    except ck.RunDirectoryError:
+        raise                   # another writer's run (it may have made the directory at the same moment)
     except BaseException:
-        # a run that fails before its first write (a bad checkpoint, a config the engines refuse) leaves no
-        # empty run directory behind; a directory with anything in it is a run's, and stays
-        if created and D.is_main() and not any(out.iterdir()):
-            out.rmdir()
+        if created:
+            _remove_unfinished(out)
         raise
+
+
+# what a run writes before its first checkpoint (the lock is the writer's own)
+_RUN_FILES = ("run.json", "segments.jsonl", "stability.jsonl", "stability_summary.json")
+
+
+def _remove_unfinished(out: Path) -> None:
+    """A run that fails before its first checkpoint in a directory it created (a bad checkpoint, a config the
+    engines refuse only in step 1) has nothing to resume from: remove what it wrote, so no half-made "run" is
+    left for eval or the report to pick up. Other files, and any run with a checkpoint, stay."""
+    if ck.checkpoints(out):
+        return
+    for name in _RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "ckpt", ignore_errors=True)     # at most a temporary, incomplete checkpoint
+    if not any(out.iterdir()):
+        out.rmdir()
 
 
 class _Loop:
@@ -195,8 +219,7 @@ class _Loop:
         return rec
 
 
-def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> dict:
-    sc = StepConfig.from_config(spec.cfg["rl"])
+def _run(spec: RunSpec, sc: StepConfig, out: Path, steps: int, every: int, progress: bool) -> dict:
     arm, cfg = spec.arm, spec.cfg
     run_id = spec.run_id()
     ck.check_run_id(out, run_id)
@@ -217,6 +240,8 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
     main = D.is_main()
     prov = {**provenance(spec.device), **({"world_size": D.world_size()} if D.world_size() > 1 else {})}
     if main:
+        if start < steps:       # new steps: the old summary no longer describes the directory (a kill mid-way)
+            (out / "stability_summary.json").unlink(missing_ok=True)
         ck.truncate_jsonl(jsonl, start)
         stored_cfg = {**cfg, "_source": stored_path(cfg["_source"])} if cfg.get("_source") else cfg
         write_json(out / "run.json", {"run_id": run_id, "arm": arm.name, "model": spec.model_cfg.get("name"),
@@ -226,7 +251,10 @@ def _run(spec: RunSpec, out: Path, steps: int, every: int, progress: bool) -> di
         # several jobs, each possibly from another commit) -- a scheduler may clear the job's log between them.
         append_jsonl(out / "segments.jsonl",
                      {"resumed_from": start, "target_steps": steps, "run_id": run_id, **prov})
-    if start:
+    if start > steps:
+        log.warning("rl %s: %s already has %d steps; --steps %d runs nothing (the summary covers all %d)",
+                    arm.name, out, start, steps, start)
+    elif start:
         log.info("rl %s: resuming from checkpoint step %d (wall %.1f s so far)", arm.name, start, wall0)
 
     t_run = time.perf_counter()

@@ -16,6 +16,7 @@ from minite.tasks.base import Problem, Task, TaskError, sft_batch
 from minite.tasks.long_arithmetic import LongArithmeticTask
 from minite.tasks.math_task import MathTask, load_hf_tokenizer
 from minite.tasks.random_prompts import RandomPrompts
+from minite.tokenizer import CharTokenizer
 
 
 def build_task(cfg: dict, seed: int = 0, tokenizer=None) -> Task:
@@ -36,9 +37,23 @@ def task_for_model(task_cfg: dict | None, model_cfg: dict, seed: int = 0):
     not the char one), or without a block the default: arithmetic (``ArithmeticTask()``) for char-tokenizer
     models, ``RandomPrompts`` for the others."""
     char = model_cfg.get("tokenizer") in (None, "char")
+    if char:
+        check_vocab(model_cfg, CharTokenizer.vocab_size)
     if task_cfg is None:
         return ArithmeticTask(seed=seed) if char else RandomPrompts(int(model_cfg["vocab_size"]), seed=seed)
-    return build_task(task_cfg, seed=seed, tokenizer=None if char else load_hf_tokenizer(model_cfg["tokenizer"]))
+    tok = None if char else load_hf_tokenizer(model_cfg["tokenizer"])
+    if tok is not None:
+        check_vocab(model_cfg, len(tok))
+    return build_task(task_cfg, seed=seed, tokenizer=tok)
+
+
+def check_vocab(model_cfg: dict, n_ids: int) -> None:
+    """The model must embed every id the task's tokenizer emits; else the engines fail only in step 1, with a
+    message naming neither the model nor the tokenizer."""
+    if int(model_cfg["vocab_size"]) < n_ids:
+        which = "the char tokenizer" if model_cfg.get("tokenizer") in (None, "char") else model_cfg["tokenizer"]
+        raise TaskError(f"model {model_cfg.get('name')}: vocab_size {model_cfg['vocab_size']} < the {n_ids} ids of "
+                        f"{which}; set vocab_size >= {n_ids} in the model config")
 
 
 __all__ = ["ArithmeticTask", "LongArithmeticTask", "MathTask", "Problem", "RandomPrompts", "Task", "TaskError",
