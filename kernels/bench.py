@@ -44,10 +44,13 @@ QUICK_SHAPES = [("q_proj", 4096, 2048), ("square8192", 8192, 8192)]
 QUICK_MS = [1, 16, 4096]
 GROUPED = [("moe_gate_up", 1536, 2048), ("moe_down", 2048, 768)]
 DECODE_TOKENS = [1, 8, 16, 64]  # x top-8 over 128 experts: <= 16 rows per expert
+DEFAULT_OUT, DRY_RUN_OUT = "results/h200/kernels.csv", "results/dry-run/kernels.csv"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="results/h200/kernels.csv", help="long-format CSV (the .md goes beside)")
+    # a dry run's untimed CPU rows must never land where the h200 pipeline reads real results
+    p.add_argument("--out", default=None, help="long-format CSV, the .md goes beside (default "
+                   f"{DEFAULT_OUT}; {DRY_RUN_OUT} with --dry-run)")
     p.add_argument("--quick", action="store_true", help="few shapes")
     p.add_argument("--no-graph", action="store_true", help="time with do_bench instead of CUDA-graph replays")
     p.add_argument("--rep", type=float, default=60.0, help="ms of timed repeats per point")
@@ -59,6 +62,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "decode batch invariance first")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes, every provider called once, no timing (a CPU smoke test of the pipeline)")
+
+
+def default_out(args) -> str:
+    return DRY_RUN_OUT if getattr(args, "dry_run", False) else DEFAULT_OUT
+
+
+def check_args(args) -> None:
+    """Refuse what a real run could not time (ValueError); dry runs too, being smoke tests of real commands."""
+    if args.rep <= 0:
+        raise ValueError(f"--rep must be > 0 (ms of timed repeats per point), got {args.rep}")
 
 
 class Timer:

@@ -18,6 +18,7 @@ import os
 import sys
 
 from minite import distributed
+from minite.jobs import common
 
 log = logging.getLogger("minite")
 
@@ -34,10 +35,11 @@ JOBS = {
 }
 
 # What a user can fix, reported in one line (exit 2) instead of a traceback: bad input (ValueError: arm,
-# model, task and RL configs, flag values), missing input files, missing optional packages (the message says
-# what to install), and refusals of the environment (RuntimeError: no CUDA device, a run directory that
-# another process writes or another run owns). MINITE_LOG_LEVEL=DEBUG adds the traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, ImportError, RuntimeError)
+# model, task and RL configs, flag values), missing input files and other OS errors (a place that cannot be
+# written), missing optional packages (the message says what to install), and refusals of the environment
+# (RuntimeError: no CUDA device, a run directory that another process writes or another run owns).
+# MINITE_LOG_LEVEL=DEBUG adds the traceback.
+USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)
 
 
 def configure_logging() -> None:
@@ -70,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(f"minite.jobs.{JOBS[args.job][0]}")
     try:
+        if distributed.launched() and not getattr(module, "DISTRIBUTED", False):
+            raise RuntimeError(f"{args.job} runs in one process: launch it without torchrun "
+                               "(or with --nproc-per-node 1)")
+        common.check_outputs(args)  # before any work: a bad --out would otherwise fail only at the end
         if distributed.launched():
-            if not getattr(module, "DISTRIBUTED", False):
-                raise RuntimeError(f"{args.job} runs in one process: launch it without torchrun "
-                                   "(or with --nproc-per-node 1)")
             distributed.init()
             if not distributed.is_main():
                 log.setLevel(logging.WARNING)
@@ -83,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", args.job, e)
         log.debug("traceback", exc_info=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a traceback from wherever the job was adds nothing
+        resume = "; rerun the same command to resume" if getattr(module, "RESUMES", False) else ""
+        log.error("%s: interrupted%s", args.job, resume)
+        log.debug("traceback", exc_info=True)
+        return 130
     finally:
         distributed.shutdown()
 

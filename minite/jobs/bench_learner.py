@@ -73,7 +73,7 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     common.add_torch_profile(p, "update (its minite.quantize.{weight,act,grad} / minite.gemm ranges too)")
     p.add_argument("--profile", dest="torch_profile", default=None, help=argparse.SUPPRESS)  # the old name
-    p.add_argument("--out", required=True, help="output JSON path")
+    common.add_out(p, "file", help="output JSON path")
 
 
 def _fail(msg: str) -> int:
@@ -85,6 +85,7 @@ def run(args) -> int:
     from minite.engines.arms import ArmError, load_arm
     from minite.engines.models import ModelConfigError, load_model_config
     from minite.provenance import provenance, repo_relative, write_json
+    from minite.rl.spec import check_positions
     from minite.telemetry import SPREAD_LIMIT, GPUTelemetry, timing_summary
 
     try:
@@ -95,19 +96,25 @@ def run(args) -> int:
         cfg = load_model_config(args.model, num_layers=layers)
     except (ArmError, ModelConfigError) as e:
         return _fail(str(e))
-    seq_len = args.seq_len or seq_len
-    tokens = args.tokens_per_update or seqs * seq_len
-    if tokens % seq_len or seq_len < 2:
+    # only an absent flag takes the model's default: 0 or a negative size is an error (a micro-batch size of
+    # -1 made an empty micro-batch loop, and a benchmark of updates that ran no forward or backward)
+    for flag, v, least in (("--tokens-per-update", args.tokens_per_update, 1), ("--seq-len", args.seq_len, 2),
+                           ("--micro-batch-size", args.micro_batch_size, 1)):
+        if v is not None and v < least:
+            return _fail(f"{flag} must be >= {least}, got {v}")
+    seq_len = args.seq_len if args.seq_len is not None else seq_len
+    tokens = args.tokens_per_update if args.tokens_per_update is not None else seqs * seq_len
+    mbs = args.micro_batch_size if args.micro_batch_size is not None else mbs
+    if tokens % seq_len:
         return _fail(f"--tokens-per-update {tokens} must be a positive multiple of --seq-len {seq_len}")
-    if seq_len > cfg["max_position_embeddings"]:
-        return _fail(f"--seq-len {seq_len} > max_position_embeddings {cfg['max_position_embeddings']}")
     if args.steps < 1 or args.warmup < 0 or args.split_steps < 0:
         return _fail("--steps must be >= 1, --warmup and --split-steps >= 0")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return _fail("--device cuda but no CUDA GPU is available")
+    try:
+        check_positions(cfg, seq_len, "--seq-len")
+        device = common.device_of(args)
+    except ValueError as e:
+        return _fail(str(e))
     n_seq = tokens // seq_len
-    mbs = args.micro_batch_size or mbs
     try:
         rows = D.row_share(n_seq, "sequences per update")
     except ValueError as e:

@@ -51,20 +51,23 @@ def add_args(p) -> None:
     common.add_device(p)
     common.add_seed(p)
     common.add_checkpoint(p, help="local HF checkpoint dir or SFT directory (default: a seeded random init)")
-    common.add_out(p, help="output JSON path")
+    common.add_out(p, "file", help="output JSON path")
 
 
 def run(args) -> int:
     from minite.engines.arms import load_arm
     from minite.provenance import repo_relative, write_json
+    from minite.rl.spec import check_positions, warm_start_weights
+    from minite.telemetry import SPREAD_LIMIT, timing_summary
 
     arm, cfg = load_arm(args.arm), common.model_of(args)
     if args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 2:
         raise ValueError("--batch and --prompt-len must be >= 1 and --new-tokens >= 2 (one decode step at least)")
-    if args.prompt_len + args.new_tokens > cfg["max_position_embeddings"]:
-        raise ValueError(f"--prompt-len + --new-tokens > max_position_embeddings {cfg['max_position_embeddings']}")
+    check_positions(cfg, args.prompt_len + args.new_tokens,
+                    f"--prompt-len ({args.prompt_len}) + --new-tokens ({args.new_tokens})")
     device = common.device_of(args)
-    sampler = build_sampler(arm, cfg, device, args.seed, args.checkpoint, args.batch,
+    ckpt = warm_start_weights(args.checkpoint)  # an SFT directory -> its weights, as rl and diagnose take it
+    sampler = build_sampler(arm, cfg, device, args.seed, ckpt, args.batch,
                             args.prompt_len + args.new_tokens, cuda_graphs=not args.eager)
     out = measure(sampler, args.batch, args.prompt_len, args.new_tokens, args.seed)
     out["weights"] = f"checkpoint {args.checkpoint}" if args.checkpoint else f"random init (seed {args.seed})"
@@ -78,6 +81,11 @@ def run(args) -> int:
              arm.name, cfg["name"], cfg["num_hidden_layers"], args.batch, out["device"],
              "graphs" if out["cuda_graphs"] else "eager", out["decode_tokens_per_s"], out["step_ms"]["median"],
              100 * out["roofline_frac"], args.out)
+    spread = timing_summary(out["step_ms_all"])["spread"]
+    if spread > SPREAD_LIMIT:
+        log.warning("bench-sampler: the decode steps spread by %.0f%% of their median (interquartile range; limit "
+                    "%.0f%%): the machine was busy, ratios against this run are unreliable", 100 * spread,
+                    100 * SPREAD_LIMIT)
     return 0
 
 

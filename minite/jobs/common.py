@@ -7,7 +7,7 @@
     --seed N
     --checkpoint DIR      the weights to start from: an SFT directory (python -m minite sft) or a local HF
                           checkpoint (default: the model config's checkpoint, else a seeded random init)
-    --out PATH            where the job writes
+    --out PATH            where the job writes (a file or a directory, checked before any work: check_outputs)
     --rl-config NAME      RL config (configs/rl/<name>.yaml) or a YAML path; with
     --set SEC.KEY=VALUE   overrides of single values (repeatable)
     --no-progress         no progress bar
@@ -19,6 +19,9 @@ Older spellings still run, hidden from --help: --init (= --checkpoint), --num-la
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import tempfile
 from pathlib import Path
 
 from minite.yamlconfig import known_configs
@@ -55,8 +58,20 @@ def add_checkpoint(p, help: str = "weights to start from: an SFT directory or a 
     _old_spelling(p, "--init", "checkpoint")
 
 
-def add_out(p, *, required: bool = True, help: str = "output path") -> None:
+def add_out(p, kind: str, *, required: bool = True, help: str = "output path", marker: str | None = None,
+            refuses: tuple[str, ...] = ()) -> None:
+    """--out, and what ``check_outputs`` needs to know of it: ``kind`` 'file' or 'dir'; a directory job's
+    ``marker``, the file that makes a directory its output; ``refuses``, other jobs' markers: a directory
+    --out holding one, or a file --out named like one, is another job's output and is refused."""
     p.add_argument("--out", required=required, default=None, help=help)
+    declare_out(p, kind, marker=marker, refuses=refuses)
+
+
+def declare_out(p, kind: str, *, marker: str | None = None, refuses: tuple[str, ...] = ()) -> None:
+    """``add_out``'s record alone, for a job whose --out another module defines (kernel-bench)."""
+    if kind not in ("file", "dir"):
+        raise ValueError(f"--out kind must be 'file' or 'dir', got {kind!r}")
+    p.set_defaults(_out_kind=kind, _out_marker=marker, _out_refuses=tuple(refuses))
 
 
 def add_rl_config(p, default: str | None = RL_CONFIG_DEFAULT, help: str | None = None) -> None:
@@ -77,11 +92,59 @@ def add_torch_profile(p, what: str) -> None:
                         "to this CSV (minite.jobs.profiling)")
 
 
+# ----------------------------------------------------------------------------------------------- outputs
+def check_outputs(args) -> None:
+    """Refuse, before any work, an --out (and --torch-profile) the job could not write or must not write:
+    a benchmark or diagnosis would otherwise fail only when it writes, at the end. ValueError, one line."""
+    if args.out is not None:
+        _check_path("--out", Path(args.out), args._out_kind)
+        _check_markers(Path(args.out), args._out_kind, args._out_marker, args._out_refuses)
+    if getattr(args, "torch_profile", None):
+        _check_path("--torch-profile", Path(args.torch_profile), "file")
+
+
+def _check_path(flag: str, p: Path, kind: str) -> None:
+    from minite.provenance import REPO_ROOT
+
+    # the same notion as the pipeline's (workflow/rules/common.smk): results/reference/ of the checkout
+    if p.resolve().is_relative_to((REPO_ROOT / "results" / "reference").resolve()):
+        raise ValueError(f"{flag} {p}: results/reference/ holds the committed reference runs and is read-only; "
+                         "write elsewhere")
+    if p.exists() and p.is_dir() != (kind == "dir"):
+        is_, want = ("directory", "file") if p.is_dir() else ("file", "directory")
+        raise ValueError(f"{flag} {p}: is a {is_}, expected a {want}")
+    anc = next(a for a in ((p,) if kind == "dir" else ()) + tuple(p.parents) if a.exists())
+    if not anc.is_dir():
+        raise ValueError(f"{flag} {p}: {anc} is a file, not a directory")
+    try:  # really try: os.access says yes to root, also where it cannot write (read-only or immutable dirs)
+        fd, probe = tempfile.mkstemp(dir=anc, prefix=".minite-write-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {p}: cannot write in {anc} ({e.strerror})") from None
+
+
+def _check_markers(p: Path, kind: str, marker: str | None, refuses: tuple[str, ...]) -> None:
+    """Another job's output is no place for this job's: its files would mix, or one would replace the other."""
+    if kind == "file" and p.name in refuses:
+        raise ValueError(f"--out {p}: {p.name} is the marker file of another job's output directory")
+    found = [m for m in refuses if (p / m).exists()] if kind == "dir" and p.is_dir() else []
+    if found:
+        own = f"; this job writes into an empty directory or one holding its own {marker}" if marker else ""
+        raise ValueError(f"--out {p}: holds {found[0]}, another job's output{own}")
+
+
 # ----------------------------------------------------------------------------------------------- loading
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
 def device_of(args) -> str:
-    """--device, resolved: cuda when available unless given; cuda without a GPU is a ValueError."""
+    """--device, resolved: cuda when available unless given; cuda without a GPU, or a device minite does not
+    run on (torch's own error for those is a long dispatcher dump), is a ValueError."""
     import torch
 
+    if args.device is not None and not DEVICE.fullmatch(args.device):
+        raise ValueError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA GPU is available")
@@ -110,7 +173,10 @@ def rl_config_of(args) -> dict | None:
         key, eq, val = s.partition("=")
         if not eq:
             raise ValueError(f"--set {s!r}: expected SECTION.KEY=VALUE")
-        overrides[key.strip()] = yaml.safe_load(val)
+        try:
+            overrides[key.strip()] = yaml.safe_load(val)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {s!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
     return load_rl_config(args.rl_config or RL_CONFIG_DEFAULT, overrides)
 
 

@@ -32,6 +32,8 @@ _SAME = ("model", "layers", "checkpoint", "task", "device", "max_new_tokens", "t
 # files of an attribution: an older run's must not sit beside this run's results as if they were its own
 ATTRIBUTION_FILES = ("attribution.csv", "attribution_subsets.csv", "attribution_waterfall.png",
                      "attribution_waterfall.pdf")
+# mismatch.json marks a diagnose directory; an SFT, RL run or ModelOpt export directory is no place for one
+MARKER, REFUSES = "mismatch.json", ("sft.json", "run.json", "export_provenance.json")
 
 
 def add_args(p) -> None:
@@ -54,7 +56,7 @@ def add_args(p) -> None:
     p.add_argument("--attribution-from", default=None, metavar="DIR",
                    help="reuse the attribution another arm's diagnose run computed with the same model, "
                         "checkpoint, task, seed and sampling settings (it does not depend on --arm)")
-    common.add_out(p, help="output directory")
+    common.add_out(p, "dir", help="output directory", marker=MARKER, refuses=REFUSES)
 
 
 def _reuse_attribution(src: Path, settings: dict, args):
@@ -80,13 +82,39 @@ def _reuse_attribution(src: Path, settings: dict, args):
     return attr, subsets, {"dir": stored_path(src), "provenance": rec.get("provenance")}
 
 
+def _attributable(arm) -> bool:
+    """A naive NVFP4 arm: switching its causes one by one ends exactly at minite_nvfp4, and some cause differs."""
+    from minite.diagnostics import attribution as A
+
+    try:
+        A.all_causes_arm(arm)
+    except (ValueError, AssertionError):
+        return False
+    return bool(A.active_causes(arm))
+
+
+def _check_attribution_base(name: str) -> None:
+    """Refuse an --attribution-base the attribution cannot start from, naming the shipped arms that can."""
+    from minite.engines.arms import load_arm
+    from minite.yamlconfig import known_configs
+
+    try:
+        base = load_arm(name)
+    except ValueError as e:
+        raise ValueError(f"--attribution-base: {e}") from None
+    if not _attributable(base):
+        ok = [a for a in known_configs("arm") if _attributable(load_arm(a))]
+        raise ValueError(f"--attribution-base {name}: not a naive NVFP4 arm (its causes switched to minite_nvfp4 "
+                         f"one by one must end at minite_nvfp4); arms that qualify: {', '.join(ok)}")
+
+
 def run(args) -> int:
     from minite.diagnostics.attribution import top_causes
     from minite.diagnostics.localise import ROUNDING_THRESHOLD
     from minite.diagnostics.run import attribution_table, diagnose_arm
     from minite.engines.arms import load_arm
     from minite.provenance import provenance, write_csv, write_json
-    from minite.rl.spec import stored_path, warm_start_weights
+    from minite.rl.spec import check_positions, stored_path, warm_start_weights
     from minite.tasks import task_for_model
 
     arm, model_cfg = load_arm(args.arm), common.model_of(args)
@@ -97,6 +125,13 @@ def run(args) -> int:
     for name in ("prompts", "max_new_tokens", "attribution_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    check_positions(model_cfg, task.max_prompt_len + args.max_new_tokens,
+                    f"the task's longest prompt ({task.max_prompt_len}) + --max-new-tokens "
+                    f"({args.max_new_tokens})")
+    if args.attribution == "off" and args.attribution_from:
+        raise ValueError("--attribution-from reuses an attribution: it needs --attribution on")
+    if args.attribution == "on":
+        _check_attribution_base(args.attribution_base)
     if ckpt is None and model_cfg.get("checkpoint") is None:
         log.warning("diagnose: no --checkpoint and model %s names none: measuring a seeded RANDOM INIT, whose "
                     "distributions are nearly flat (pass --checkpoint results/<profile>/sft for the warm start)",
@@ -106,16 +141,16 @@ def run(args) -> int:
                 "checkpoint": stored_path(ckpt) if ckpt else None, "task": task.config(), "device": device,
                 "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "seed": args.seed, "rounding_threshold": ROUNDING_THRESHOLD}
+    attr = subsets = reused = None
+    if args.attribution == "on" and args.attribution_from:  # read (and refuse) before the long diagnosis
+        attr, subsets, reused = _reuse_attribution(Path(args.attribution_from), settings, args)
     t0 = time.perf_counter()
     d = diagnose_arm(arm, model_cfg, task, device=device, seed=args.seed, checkpoint=ckpt,
                      n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     m = d["metrics"]
     log.info("%s: k3=%.3e k1=%.3e token_mult_prob_error=%.6f n_tokens=%d first divergence: %s", arm.name,
              m["k3"], m["k1"], m["token_mult_prob_error"], m["n_tokens"], d["first_divergence"])
-    attr = subsets = reused = None
-    if args.attribution == "on" and args.attribution_from:
-        attr, subsets, reused = _reuse_attribution(Path(args.attribution_from), settings, args)
-    elif args.attribution == "on":
+    if args.attribution == "on" and not args.attribution_from:
         attr, subsets = attribution_table(model_cfg, task, device=device, seed=args.seed, checkpoint=ckpt,
                                           n_prompts=args.attribution_prompts, max_new_tokens=args.max_new_tokens,
                                           naive=args.attribution_base,

@@ -13,6 +13,9 @@ from minite.jobs import common
 
 log = logging.getLogger(__name__)
 
+# export_provenance.json marks an export; its config.json / weights must not land in another job's directory
+MARKER, REFUSES = "export_provenance.json", ("sft.json", "run.json", "mismatch.json")
+
 
 def add_args(p) -> None:
     common.add_arm(p, required=False, default="naive_te_nvfp4",
@@ -24,7 +27,7 @@ def add_args(p) -> None:
                          "(default: the model's default task)")
     common.add_seed(p)
     p.add_argument("--calib-prompts", type=int, default=32, help="calibration prompts")
-    common.add_out(p, help="output directory")
+    common.add_out(p, "dir", help="output directory", marker=MARKER, refuses=REFUSES)
 
 
 def run(args) -> int:
@@ -37,6 +40,8 @@ def run(args) -> int:
     from minite.rl.spec import warm_start_weights
     from minite.tasks import task_for_model
 
+    if args.calib_prompts < 1:
+        raise ValueError(f"--calib-prompts must be >= 1, got {args.calib_prompts}")
     arm = load_arm(args.arm)
     if not arm.sampler.is_nvfp4:
         raise ValueError(f"arm {arm.name} has a BF16 sampler; choose an NVFP4 arm (naive_te_nvfp4 or minite_nvfp4)")

@@ -1,10 +1,13 @@
 """``python -m minite kernel-bench``: check and time the NVFP4 kernels on the GPU (minite.kernels.bench)."""
 from __future__ import annotations
 
+from minite.jobs import common
+
 
 def add_args(parser) -> None:
     from minite.kernels import bench
     bench.add_args(parser)
+    common.declare_out(parser, "file")
 
 
 def run(args) -> int:
@@ -14,7 +17,8 @@ def run(args) -> int:
 
     from minite.kernels import bench
     from minite.provenance import provenance, write_csv, write_text
-    out = Path(args.out)
+    bench.check_args(args)  # before the provenance (git) and the default --out
+    out = Path(args.out or bench.default_out(args))
 
     def publish(df, summary_md):
         write_csv(out, df)
