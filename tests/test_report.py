@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -116,6 +117,23 @@ def test_rollout_columns_from_bench_sampler_records(results):
     write_json(results / "bf16" / "rollout.json", {"tokens": 1})
     with pytest.raises(ResultError, match="not a bench-sampler record"):
         tables.write_throughput_table(results, ARMS)
+
+
+def test_rollout_rows_follow_the_trust_rule(results):
+    """A rollout row whose decode steps spread by more than SPREAD_LIMIT is flagged, and its ratio marked; the
+    LaTeX table marks untrusted learner ratios too (a dagger), as its comment says."""
+    steady, busy = [10.0, 10.1, 9.9, 10.0, 10.2, 9.8] * 5, [8.0, 12.0, 6.0, 14.0, 8.0, 9.0] * 5
+    for arm, steps in (("bf16", steady), ("minite_nvfp4", busy)):
+        rec = _rollout_record(arm, statistics.median(steps))
+        write_json(results / arm / "rollout.json", {**rec, "step_ms_all": steps})
+    df = tables.write_throughput_table(results, ARMS).set_index("arm")
+    assert df.loc["bf16", "rollout_flag"] == "" and df.loc["minite_nvfp4", "rollout_flag"].startswith("spread")
+    md = (results / "throughput_table.md").read_text()
+    row = next(ln for ln in md.split("## Rollout")[1].splitlines() if ln.startswith("| minite_nvfp4"))
+    assert "⚠" in row.split("|")[3] and row.rstrip(" |").endswith("> 10%")
+    flagged = tables.throughput_table(load.load_learner(results, ARMS)).assign(flag=["", "", "busy"])
+    tex = tables.to_latex(flagged)
+    assert tex.count(r"$^\dagger$") == 2 and "(here: a dagger)" in tex     # minite vs bf16, minite vs naive
 
 
 def _rollout_record(arm, step_median, k=0, model="tiny"):

@@ -2,7 +2,6 @@
 corrupt or truncated files named in one line, sequences past the model's positions, eval against another task
 / seed / missing steps, a vocabulary too small for the task, and no half-made run directory left behind."""
 import json
-import logging
 import shutil
 
 import pytest
@@ -80,7 +79,7 @@ def test_resume_from_another_working_directory(setup, tmp_path, monkeypatch):
     assert evaluate_run(spec0, run, tmp_path / "e.csv", steps=[0], progress=False)["step"].tolist() == [0]
 
 
-def test_extension_drops_the_old_summary_and_fewer_steps_warn(setup, tmp_path, monkeypatch, caplog):
+def test_extension_drops_the_old_summary_and_fewer_steps_are_refused(setup, tmp_path, monkeypatch):
     spec, _, base = setup
     run = _copy(base, tmp_path / "run")
     assert (run / "stability_summary.json").is_file()
@@ -89,9 +88,10 @@ def test_extension_drops_the_old_summary_and_fewer_steps_warn(setup, tmp_path, m
         run_stability(spec, run, 4, ckpt_every=1, progress=False)
     assert not (run / "stability_summary.json").exists()     # it said 2 steps; the log now runs to 3
     assert len(_curve(run)) == 3
-    with caplog.at_level(logging.WARNING):
-        s = run_stability(spec, _copy(base, tmp_path / "run2"), 1, ckpt_every=1, progress=False)
-    assert s["steps"] == 2 and "already has 2 steps" in caplog.text
+    run2 = _copy(base, tmp_path / "run2")
+    with pytest.raises(ValueError, match="already holds 2 steps; --steps 1 cannot shorten a run"):
+        run_stability(spec, run2, 1, ckpt_every=1, progress=False)
+    assert (run2 / "stability_summary.json").is_file() and len(_curve(run2)) == 2     # left as it was
 
 
 def test_corrupt_files_are_named(setup, tmp_path):

@@ -47,7 +47,7 @@ COLUMNS = ["arm", "tokens_per_s", "tokens_per_s_q25", "tokens_per_s_q75", "n_ste
            "ratio_vs_naive", "ratio_vs_naive_lo", "ratio_vs_naive_hi",
            "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton", "gpu_driver",
            "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_ratio_vs_bf16_lo", "rollout_ratio_vs_bf16_hi",
-           "rollout_rounds", "rollout_roofline_frac", "rollout_step_ms",
+           "rollout_rounds", "rollout_roofline_frac", "rollout_step_ms", "rollout_flag",
            "rollout_sha", "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
            "quant_share"]
 SPLIT_KEYS = ("quantize", "gemm", "other", "optimizer")
@@ -57,7 +57,8 @@ MIN_STEPS = 5
 TRUST_RULE = (f"a row is flagged when it has fewer than {MIN_STEPS} timed steps, its step times' "
               f"interquartile range exceeds {100 * SPREAD_LIMIT:.0f}% of their median, or its rounds' "
               f"tokens/s differ by more than {100 * SPREAD_LIMIT:.0f}% of their median; a ratio involving a "
-              "flagged row is marked ⚠ and should not be trusted (rerun on a quiet machine)")
+              "flagged row is marked ⚠ and should not be trusted (rerun on a quiet machine); a rollout row is "
+              "flagged the same way by its decode step times")
 
 #: The miniTE paper's learner throughput (Qwen3-30B-A3B, one B300 node). Quoted, never measured here.
 PAPER = {"model": "Qwen3-30B-A3B (full model)", "device": "one B300 node",
@@ -136,6 +137,7 @@ def throughput_table(learner: dict[str, dict], rollout: dict[str, dict] | None =
                                    for a in df["arm"]]
     df["rollout_step_ms"] = [float(rollout[a]["step_ms"]["median"]) if a in rollout else math.nan
                              for a in df["arm"]]
+    df["rollout_flag"] = [_rollout_flag(rollout[a]) if a in rollout else "" for a in df["arm"]]
     # the rollout record's own commit: a reference may keep learner rows of one run beside rollout rows of another
     df["rollout_sha"] = [rollout[a].get("sha") if a in rollout else None for a in df["arm"]]
     return df[COLUMNS]
@@ -242,12 +244,24 @@ def _rollout_ratio(rollout: dict[str, dict], arm: str) -> tuple[float, float, fl
     return b["median"] / a["median"], math.nan, math.nan
 
 
-def _rollout_ratio_text(r) -> str:
-    """'1.12x (0.95-1.30)': the table's rollout ratio vs BF16 and its range."""
+def _rollout_flag(rec: dict) -> str:
+    """The trust rule on a rollout record's decode step times (the median round's, with rounds); records
+    without per-step times are not flagged."""
+    steps = rec.get("step_ms_all")
+    if not steps:
+        return ""
+    t = timing_summary(steps)
+    return _flag(t["n"], t["spread"], math.nan)
+
+
+def _rollout_ratio_text(r, flagged: set) -> str:
+    """'1.12x (0.95-1.30)': the table's rollout ratio vs BF16 and its range, ⚠ when either row is flagged."""
     v, lo, hi = r.rollout_ratio_vs_bf16, r.rollout_ratio_vs_bf16_lo, r.rollout_ratio_vs_bf16_hi
     if _nan(v):
         return "n/a"
-    return f"{v:.2f}x" + ("" if r.arm == BF16 or _nan(lo) else f" ({lo:.2f}-{hi:.2f})")
+    if r.arm == BF16:
+        return f"{v:.2f}x"
+    return f"{v:.2f}x" + ("" if _nan(lo) else f" ({lo:.2f}-{hi:.2f})") + (" ⚠" if {r.arm, BF16} & flagged else "")
 
 
 def _step_range(step_ms: dict) -> str:
@@ -256,12 +270,13 @@ def _step_range(step_ms: dict) -> str:
 
 def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
     any_rec = next(iter(rollout.values()))
+    flagged = set(df.loc[df["rollout_flag"] != "", "arm"])
     rows = [[r.arm, _fmt(r.rollout_tokens_per_s, ",.0f"),
-             _rollout_ratio_text(r),
+             _rollout_ratio_text(r, flagged),
              _fmt(r.rollout_step_ms, ",.3f"),
              _step_range(rollout[r.arm]["step_ms"]),
              str(rollout[r.arm]["step_ms"].get("n", "?")), _fmt(100 * r.rollout_roofline_frac, ".1f") + "%",
-             "graphs" if rollout[r.arm].get("cuda_graphs") else "eager"]
+             "graphs" if rollout[r.arm].get("cuda_graphs") else "eager", r.rollout_flag or "ok"]
             for r in df.itertuples() if r.arm in rollout]
     return ["## Rollout (decode) throughput", "",
             f"`python -m minite bench-sampler`: `{any_rec.get('model')}` ({any_rec.get('layers')} layers), "
@@ -274,7 +289,7 @@ def _rollout_section(df: pd.DataFrame, rollout: dict[str, dict]) -> list[str]:
             + "Roofline: tokens/s if every "
             "decode step only read the weights it uses at the copy bandwidth measured in the same run.", "",
             _md_table(["arm", "decode tokens/s", "vs BF16", "step (ms, median)", "step p10-p90 (ms)", "steps",
-                       "of roofline", "decode path"], rows)]
+                       "of roofline", "decode path", "trust"], rows)]
 
 
 def to_markdown(df: pd.DataFrame, learner: dict[str, dict], profile: str,
@@ -357,6 +372,7 @@ def _reference_section(df: pd.DataFrame, reference: dict[str, dict], reference_d
 
 
 def to_latex(df: pd.DataFrame) -> str:
+    flagged = set(df.loc[df["flag"] != "", "arm"])
     t = pd.DataFrame({
         "Arm": df["arm"],
         "Tokens/s": df["tokens_per_s"].map("{:,.0f}".format),
@@ -364,25 +380,28 @@ def to_latex(df: pd.DataFrame) -> str:
                 for a, b in zip(df["tokens_per_s_q25"], df["tokens_per_s_q75"], strict=True)],
         "n": df["n_steps"],
         "Rounds": df["n_rounds"],
-        "vs BF16": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_bf16"], df["ratio_vs_bf16_lo"],
-                                                                  df["ratio_vs_bf16_hi"], strict=True)],
-        "vs naive": [_latex_ratio(v, lo, hi) for v, lo, hi in zip(df["ratio_vs_naive"], df["ratio_vs_naive_lo"],
-                                                                   df["ratio_vs_naive_hi"], strict=True)],
+        "vs BF16": [_latex_ratio(v, lo, hi, {a, BF16} & flagged) for a, v, lo, hi in
+                    zip(df["arm"], df["ratio_vs_bf16"], df["ratio_vs_bf16_lo"], df["ratio_vs_bf16_hi"], strict=True)],
+        "vs naive": [_latex_ratio(v, lo, hi, {a, NAIVE} & flagged) for a, v, lo, hi in
+                     zip(df["arm"], df["ratio_vs_naive"], df["ratio_vs_naive_lo"], df["ratio_vs_naive_hi"],
+                         strict=True)],
         "Step (ms)": df["step_ms"].map("{:,.1f}".format),
         "Peak mem (GB)": df["peak_mem_gb"].map(lambda v: _fmt(v, ".2f", "--")),
         "Trust": df["flag"].map(lambda f: f or "ok"),
     })
     sty = t.style.hide(axis="index").format(escape="latex", subset=["Arm", "Trust"])
     return sty.to_latex(hrules=True, column_format="l" + "r" * (t.shape[1] - 2) + "l") + \
-        f"% ratios: {_ratio_text(df)} {TRUST_RULE}\n" + \
+        f"% ratios: {_ratio_text(df)} {TRUST_RULE} (here: a dagger)\n" + \
         f"% paper ({PAPER['device']}, {PAPER['model']}): {PAPER['tokens_per_s']:,.0f} tokens/s, " \
         f"{PAPER['ratio_vs_bf16']:.2f}x BF16, {PAPER['ratio_vs_naive']:.2f}x naive TE NVFP4\n"
 
 
-def _latex_ratio(v, lo, hi) -> str:
+def _latex_ratio(v, lo, hi, untrusted=False) -> str:
     if _nan(v):
         return "--"
-    return f"{v:.2f} ({lo:.2f}--{hi:.2f})" if not (lo == hi == 1.0) else f"{v:.2f}"
+    if lo == hi == 1.0:                                     # an arm against itself: exactly 1
+        return f"{v:.2f}"
+    return f"{v:.2f} ({lo:.2f}--{hi:.2f})" + (r"$^\dagger$" if untrusted else "")
 
 
 def write_throughput_table(results_dir, arms, out_prefix=None, profile: str | None = None,

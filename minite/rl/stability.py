@@ -223,6 +223,10 @@ def _run(spec: RunSpec, sc: StepConfig, out: Path, steps: int, every: int, progr
     arm, cfg = spec.arm, spec.cfg
     run_id = spec.run_id()
     ck.check_run_id(out, run_id)
+    done = D.broadcast_object(max((s for s, _ in ck.checkpoints(out)), default=0))
+    if done > steps:  # else a lowered --steps (a pipeline config set back) keeps the longer run without a word
+        raise ValueError(f"{out} already holds {done} steps; --steps {steps} cannot shorten a run: give --steps "
+                         f">= {done}, or a new --out (delete {out} to start over)")
     loop = _Loop(spec, sc)
     alarm, collapse = DriftAlarm(**cfg["drift"]), CollapseDetector(**cfg["collapse"])
     watch = DriftWatch(cfg["metrics"]["watch"], **cfg["drift"])
@@ -251,10 +255,7 @@ def _run(spec: RunSpec, sc: StepConfig, out: Path, steps: int, every: int, progr
         # several jobs, each possibly from another commit) -- a scheduler may clear the job's log between them.
         append_jsonl(out / "segments.jsonl",
                      {"resumed_from": start, "target_steps": steps, "run_id": run_id, **prov})
-    if start > steps:
-        log.warning("rl %s: %s already has %d steps; --steps %d runs nothing (the summary covers all %d)",
-                    arm.name, out, start, steps, start)
-    elif start:
+    if start:
         log.info("rl %s: resuming from checkpoint step %d (wall %.1f s so far)", arm.name, start, wall0)
 
     t_run = time.perf_counter()
