@@ -5,7 +5,9 @@ import json
 import shutil
 
 import pytest
-import torch
+
+# the small RL settings, the one-thread fixture (module-scoped, autouse) and the simulated kill of those tests
+from test_rl_loop import SMALL, SimulatedKill, one_thread  # noqa: F401
 
 from minite import distributed as D
 from minite.engines.arms import load_arm
@@ -18,26 +20,9 @@ from minite.rl.spec import RunSpec
 from minite.rl.stability import is_timing_key, run_stability
 from minite.tasks import TaskError, build_task, task_for_model
 
-# as tests/test_rl_loop.py: seconds per step on 2 CPU cores
-SMALL = {"sft.steps": 3, "sft.batch_size": 8, "sft.eval_prompts": 8, "rl.prompts_per_step": 2,
-         "rl.group_size": 2, "rl.max_new_tokens": 4, "eval.k": 2, "eval.n_prompts": 3, "eval.max_new_tokens": 4,
-         "drift.warmup": 3, "collapse.warmup": 3}
-
-
-class SimulatedKill(RuntimeError):
-    pass
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, one_thread):
+def setup(tmp_path_factory):
     """The SFT warm start (outside the repository: a tmp dir) and a finished 2-step run, checkpoints 1 and 2."""
     from minite.rl.sft import run_sft
     cfg = load_rl_config("cpu", SMALL)
