@@ -58,20 +58,24 @@ def add_checkpoint(p, help: str = "weights to start from: an SFT directory or a 
     _old_spelling(p, "--init", "checkpoint")
 
 
-def add_out(p, kind: str, *, required: bool = True, help: str = "output path", marker: str | None = None,
-            refuses: tuple[str, ...] = ()) -> None:
+#: The file that marks each directory job's output (rl, sft, diagnose, export-modelopt): a directory --out
+#: holding another job's marker, or a file --out named like one, is another job's output and is refused.
+OUTPUT_MARKERS = ("run.json", "sft.json", "mismatch.json", "export_provenance.json")
+
+
+def add_out(p, kind: str, *, required: bool = True, help: str = "output path", marker: str | None = None) -> None:
     """--out, and what ``check_outputs`` needs to know of it: ``kind`` 'file' or 'dir'; a directory job's
-    ``marker``, the file that makes a directory its output; ``refuses``, other jobs' markers: a directory
-    --out holding one, or a file --out named like one, is another job's output and is refused."""
+    ``marker`` (one of OUTPUT_MARKERS), the file that makes a directory its output."""
     p.add_argument("--out", required=required, default=None, help=help)
-    declare_out(p, kind, marker=marker, refuses=refuses)
+    declare_out(p, kind, marker=marker)
 
 
-def declare_out(p, kind: str, *, marker: str | None = None, refuses: tuple[str, ...] = ()) -> None:
+def declare_out(p, kind: str, *, marker: str | None = None) -> None:
     """``add_out``'s record alone, for a job whose --out another module defines (kernel-bench)."""
-    if kind not in ("file", "dir"):
-        raise ValueError(f"--out kind must be 'file' or 'dir', got {kind!r}")
-    p.set_defaults(_out_kind=kind, _out_marker=marker, _out_refuses=tuple(refuses))
+    if kind not in ("file", "dir") or (marker is not None and marker not in OUTPUT_MARKERS):
+        raise ValueError(f"--out: kind 'file' or 'dir' and a marker of OUTPUT_MARKERS, got {kind!r}, {marker!r}")
+    p.set_defaults(_out_kind=kind, _out_marker=marker,
+                   _out_refuses=tuple(m for m in OUTPUT_MARKERS if m != marker))
 
 
 def add_rl_config(p, default: str | None = RL_CONFIG_DEFAULT, help: str | None = None) -> None:

@@ -32,8 +32,6 @@ _SAME = ("model", "layers", "checkpoint", "task", "device", "max_new_tokens", "t
 # files of an attribution: an older run's must not sit beside this run's results as if they were its own
 ATTRIBUTION_FILES = ("attribution.csv", "attribution_subsets.csv", "attribution_waterfall.png",
                      "attribution_waterfall.pdf")
-# mismatch.json marks a diagnose directory; an SFT, RL run or ModelOpt export directory is no place for one
-MARKER, REFUSES = "mismatch.json", ("sft.json", "run.json", "export_provenance.json")
 
 
 def add_args(p) -> None:
@@ -56,7 +54,7 @@ def add_args(p) -> None:
     p.add_argument("--attribution-from", default=None, metavar="DIR",
                    help="reuse the attribution another arm's diagnose run computed with the same model, "
                         "checkpoint, task, seed and sampling settings (it does not depend on --arm)")
-    common.add_out(p, "dir", help="output directory", marker=MARKER, refuses=REFUSES)
+    common.add_out(p, "dir", help="output directory", marker="mismatch.json")
 
 
 def _reuse_attribution(src: Path, settings: dict, args):

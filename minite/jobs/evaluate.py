@@ -12,8 +12,6 @@ from minite.jobs import common
 log = logging.getLogger(__name__)
 
 DISTRIBUTED = True      # runs under torchrun: each rank's sampler replica answers a share of the prompts
-# the CSV must not replace another job's marker (an --out of <run>/run.json would unmake the run)
-REFUSES = ("run.json", "sft.json", "mismatch.json", "export_provenance.json")
 
 
 def add_args(p) -> None:
@@ -28,7 +26,7 @@ def add_args(p) -> None:
                         "whose own parser takes --run for an abbreviation of its --run-path")
     common.add_checkpoint(p, help="warm start for step 0 (default: the one the run's run.json names)")
     p.add_argument("--steps", type=int, nargs="*", default=None, help="only these checkpoint steps")
-    common.add_out(p, "file", help="output CSV path", refuses=REFUSES)
+    common.add_out(p, "file", help="output CSV path")
 
 
 def run(args) -> int:

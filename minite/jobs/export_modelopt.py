@@ -13,8 +13,6 @@ from minite.jobs import common
 
 log = logging.getLogger(__name__)
 
-# export_provenance.json marks an export; its config.json / weights must not land in another job's directory
-MARKER, REFUSES = "export_provenance.json", ("sft.json", "run.json", "mismatch.json")
 
 
 def add_args(p) -> None:
@@ -27,7 +25,7 @@ def add_args(p) -> None:
                          "(default: the model's default task)")
     common.add_seed(p)
     p.add_argument("--calib-prompts", type=int, default=32, help="calibration prompts")
-    common.add_out(p, "dir", help="output directory", marker=MARKER, refuses=REFUSES)
+    common.add_out(p, "dir", help="output directory", marker="export_provenance.json")
 
 
 def run(args) -> int:

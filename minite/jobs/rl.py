@@ -16,8 +16,6 @@ log = logging.getLogger(__name__)
 
 DISTRIBUTED = True      # runs under torchrun: data-parallel rollouts, the FSDP2 learner (minite.rl.stability)
 RESUMES = True          # a rerun continues from the newest checkpoint (the interrupted message says so)
-# run.json marks a run directory; an SFT, diagnose or ModelOpt export directory is no place for one
-MARKER, REFUSES = "run.json", ("sft.json", "mismatch.json", "export_provenance.json")
 
 
 def add_args(p) -> None:
@@ -31,7 +29,7 @@ def add_args(p) -> None:
     p.add_argument("--ckpt-every", type=int, default=None, help="checkpoint every k steps (default: config)")
     common.add_checkpoint(p, help="warm start: an SFT directory (python -m minite sft) or a local HF checkpoint")
     common.add_out(p, "dir", required=False, help="output directory (default: results/<rl-config>/<arm>)",
-                   marker=MARKER, refuses=REFUSES)
+                   marker="run.json")
 
 
 def run(args) -> int:

@@ -12,8 +12,6 @@ from minite.jobs import common
 log = logging.getLogger(__name__)
 
 DISTRIBUTED = True      # runs under torchrun: the FSDP2 trainer, each rank on its rows (minite.rl.sft)
-# sft.json marks a warm start (and its cache); an RL run, diagnose or ModelOpt export directory is no place for one
-MARKER, REFUSES = "sft.json", ("run.json", "mismatch.json", "export_provenance.json")
 
 
 def add_args(p) -> None:
@@ -23,7 +21,7 @@ def add_args(p) -> None:
     common.add_seed(p)
     common.add_progress(p)
     common.add_out(p, "dir", required=False, help="output directory (default: results/<rl-config>/sft)",
-                   marker=MARKER, refuses=REFUSES)
+                   marker="sft.json")
     p.add_argument("--force", action="store_true", help="retrain even if the cache matches")
 
 
