@@ -353,7 +353,7 @@ def test_fresh_clone_measures_and_leaves_the_tree_clean(tmp_path):
         "ratio_vs_bf16", "ratio_vs_bf16_lo", "ratio_vs_bf16_hi", "ratio_vs_naive", "ratio_vs_naive_lo",
         "ratio_vs_naive_hi", "step_ms", "peak_mem_gb", "device", "model", "layers", "sha", "torch", "triton",
         "gpu_driver", "rollout_tokens_per_s", "rollout_ratio_vs_bf16", "rollout_ratio_vs_bf16_lo",
-        "rollout_ratio_vs_bf16_hi", "rollout_rounds", "rollout_roofline_frac", "rollout_step_ms",
+        "rollout_ratio_vs_bf16_hi", "rollout_rounds", "rollout_roofline_frac", "rollout_step_ms", "rollout_flag",
         "rollout_sha", "split_quantize_ms", "split_gemm_ms", "split_other_ms", "split_optimizer_ms", "split_step_ms",
         "quant_share"]
     assert list(df["arm"]) == ARMS and (df["tokens_per_s"] > 0).all() and (df["n_steps"] == 30).all()
