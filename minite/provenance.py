@@ -129,6 +129,15 @@ def atomic_path(path: str | os.PathLike, mode: str = "w"):
         raise
 
 
+def read_json(path, fix: str = "restore or delete it", error: type[Exception] = ValueError):
+    """A JSON file minite wrote (a result, a run's or checkpoint's state, a warm start's config). A torn or
+    hand-edited one raises ``error`` in one line naming the file and ``fix`` (json's own message names none)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: corrupt JSON ({e}); {fix}") from None
+
+
 def write_json(path, obj, indent: int = 2) -> None:
     with atomic_path(path) as f:
         json.dump(obj, f, indent=indent, default=_json_default)

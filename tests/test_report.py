@@ -565,7 +565,7 @@ def test_cli_bad_input_is_one_line(results, capsys):
     (results / "bf16" / "learner.json").write_text('{"tokens_per_s": ')
     assert main(["table", "--results", str(results), "--arms", *ARMS]) == 2
     err = capsys.readouterr().err
-    assert "bf16/learner.json: not valid JSON" in err and len(err.splitlines()) == 1
+    assert "bf16/learner.json: corrupt JSON" in err and len(err.splitlines()) == 1
     assert main(["figure", "drift", "--results", str(results), "--arms", "bf16"]) == 2
     assert "--out is required" in capsys.readouterr().err
 

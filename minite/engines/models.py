@@ -61,6 +61,15 @@ def check_gemm_dims(cfg: dict, source: str = "<dict>") -> None:
                                f"({cfg['num_experts']})")
 
 
+def check_positions(model_cfg: dict, width: int, what: str) -> None:
+    """Refuse, before any engine is built, sequences longer than the model's positions (RoPE past them is
+    silently out of distribution, not an error). ``what`` names the config keys that make ``width``."""
+    limit = int(model_cfg["max_position_embeddings"])
+    if width > limit:
+        raise ModelConfigError(f"{what} = {width} tokens > model {model_cfg.get('name')}'s max_position_embeddings "
+                               f"{limit}: lower them or use a model with more positions")
+
+
 def load_model_config(name_or_path: str | Path | dict, num_layers: int | None = None) -> dict:
     """configs/models/<name>.yaml, a YAML path, or an already-loaded dict -> validated dict (a copy)."""
     if isinstance(name_or_path, dict):

@@ -83,9 +83,8 @@ def _fail(msg: str) -> int:
 
 def run(args) -> int:
     from minite.engines.arms import ArmError, load_arm
-    from minite.engines.models import ModelConfigError, load_model_config
+    from minite.engines.models import ModelConfigError, check_positions, load_model_config
     from minite.provenance import provenance, repo_relative, write_json
-    from minite.rl.spec import check_positions
     from minite.telemetry import SPREAD_LIMIT, GPUTelemetry, timing_summary
 
     try:

@@ -56,8 +56,9 @@ def add_args(p) -> None:
 
 def run(args) -> int:
     from minite.engines.arms import load_arm
+    from minite.engines.models import check_positions
     from minite.provenance import repo_relative, write_json
-    from minite.rl.spec import check_positions, warm_start_weights
+    from minite.rl.spec import warm_start_weights
     from minite.telemetry import SPREAD_LIMIT, timing_summary
 
     arm, cfg = load_arm(args.arm), common.model_of(args)

@@ -111,8 +111,9 @@ def run(args) -> int:
     from minite.diagnostics.localise import ROUNDING_THRESHOLD
     from minite.diagnostics.run import attribution_table, diagnose_arm
     from minite.engines.arms import load_arm
+    from minite.engines.models import check_positions
     from minite.provenance import provenance, write_csv, write_json
-    from minite.rl.spec import check_positions, stored_path, warm_start_weights
+    from minite.rl.spec import stored_path, warm_start_weights
     from minite.tasks import task_for_model
 
     arm, model_cfg = load_arm(args.arm), common.model_of(args)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from minite import provenance
+
 #: The learner.json keys the throughput table needs (bench-learner writes them; see docs/ENGINES.md).
 LEARNER_KEYS = ("tokens_per_s", "step_ms", "peak_mem_gb", "model", "layers", "device", "sha")
 
@@ -26,11 +28,8 @@ class ResultError(ValueError):
 
 
 def read_json(path: Path):
-    """A result file's JSON; a torn or corrupt file is a ResultError naming it (a job killed mid-write)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ResultError(f"{path}: not valid JSON ({e}); rerun the job that writes it") from None
+    """A result file's JSON; a torn or corrupt file (a job killed mid-write) is a ResultError naming it."""
+    return provenance.read_json(path, "rerun the job that writes it", ResultError)
 
 
 _SEED_RUN = re.compile(r"^(?P<arm>[a-z0-9_]+?)_seed(?P<seed>[0-9]+)$")

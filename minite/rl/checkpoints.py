@@ -21,23 +21,13 @@ from pathlib import Path
 import torch
 
 from minite import distributed as D
-from minite.provenance import write_json, write_text
+from minite.provenance import read_json, write_json, write_text
 
 CKPT_PREFIX = "step_"
 
 
 class RunDirectoryError(RuntimeError):
     """The run directory is busy (another writer) or holds another run's checkpoints."""
-
-
-def read_json(path, fix: str = "restore or delete it") -> dict:
-    """A JSON file of a run, a checkpoint or a warm start. A torn or hand-edited one is a one-line ValueError
-    naming the file and ``fix`` (json's own message names no file)."""
-    p = Path(path)
-    try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p}: corrupt JSON ({e}); {fix}") from None
 
 
 @contextlib.contextmanager

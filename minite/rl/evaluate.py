@@ -21,11 +21,12 @@ import torch
 from tqdm.auto import tqdm
 
 from minite import distributed as D
+from minite.engines.models import check_positions
 from minite.engines.sync import sync_weights
-from minite.provenance import provenance, write_csv
-from minite.rl.checkpoints import checkpoints, load_trainer, read_json
+from minite.provenance import provenance, read_json, write_csv
+from minite.rl.checkpoints import checkpoints, load_trainer
 from minite.rl.rollout import rollout
-from minite.rl.spec import RunSpec, check_positions, resolve_stored_path
+from minite.rl.spec import RunSpec, resolve_stored_path
 
 COLUMNS = ["arm", "step", "k", "mean_at_k", "pass_at_k", "n_prompts", "temperature", "sha", "device", "date"]
 

@@ -30,11 +30,10 @@ import torch
 from tqdm.auto import tqdm
 
 from minite import distributed as D
-from minite.provenance import provenance, write_json
-from minite.rl.checkpoints import read_json
+from minite.engines.models import check_positions
+from minite.provenance import provenance, read_json, write_json
 from minite.rl.config import config_hash
 from minite.rl.data_parallel import local_rows
-from minite.rl.spec import check_positions
 from minite.tasks import sft_batch
 
 
@@ -66,7 +65,7 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
         return {**hit, "cache_hit": True}
     s = cfg["sft"]
     heldout = task.heldout(s["eval_prompts"])
-    check_sft_width(model_cfg, task, heldout)        # before the trainer is built; each batch again below
+    check_sft_width(model_cfg, sft_batch(task, heldout))   # before the trainer is built; each batch again below
     t0 = time.perf_counter()
     # CPUs without bf16 GEMMs run the bf16 model ~3x slower than fp32; the warm start is shared by all arms
     # (not part of the comparison), so on CPU it computes in fp32. The masters are fp32 anyway; the saved
@@ -81,9 +80,8 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     for step in bar:
         # cosine decay to 10% of lr: a short run at a high lr needs the anneal to settle (linear warm-up 5%)
         trainer.set_lr(s["lr"] * _lr_factor(step, n))
-        problems = task.train_batch(step, s["batch_size"], stream="sft")
-        check_sft_width(model_cfg, task, problems)
-        batch = sft_batch(task, problems)
+        batch = sft_batch(task, task.train_batch(step, s["batch_size"], stream="sft"))
+        check_sft_width(model_cfg, batch)
         stats = trainer.update(local_rows(batch, s["batch_size"]))
         losses.append(float(stats["loss"]))
         if not math.isfinite(losses[-1]):
@@ -119,12 +117,11 @@ def run_sft(model_cfg: dict, cfg: dict, task, out_dir, *, seed: int = 0, device:
     return {**info, "cache_hit": False}
 
 
-def check_sft_width(model_cfg: dict, task, problems) -> None:
-    """SFT sequences (prompt + answer + EOS) must fit the model's positions; a task's answer length has no
+def check_sft_width(model_cfg: dict, batch: dict) -> None:
+    """An SFT batch (prompt + answer + EOS) must fit the model's positions; a task's answer length has no
     config key of its own (long_arithmetic's scratchpad grows with task.digits)."""
-    width = max((len(task.encode_prompt(p)) + len(task.encode_answer(p)) for p in problems), default=0)
-    check_positions(model_cfg, width, f"the SFT sequence width (prompt + answer + EOS of the task's {task.kind} "
-                                      "problems, task.* config)")
+    check_positions(model_cfg, batch["input_ids"].shape[1], "the SFT sequence width (prompt + answer + EOS of "
+                                                            "the task's problems, task.* config)")
 
 
 def compute_dtype(choice: str, device: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from minite import distributed as D
 from minite.engines import build_engines
 from minite.engines.arms import Arm
-from minite.rl.checkpoints import read_json
+from minite.provenance import read_json
 from minite.rl.config import config_hash, with_arm_settings
 from minite.tasks import Task
 
@@ -112,15 +112,6 @@ def check_weights(ckpt: Path) -> None:
                 pass
         except Exception as e:      # SafetensorError (a Rust exception type), OSError
             raise ValueError(f"{f}: unreadable safetensors file ({e}); {fix}") from None
-
-
-def check_positions(model_cfg: dict, width: int, what: str) -> None:
-    """Refuse, before any engine is built, sequences longer than the model's positions (RoPE past them is
-    silently out of distribution, not an error). ``what`` names the config keys that make ``width``."""
-    limit = int(model_cfg["max_position_embeddings"])
-    if width > limit:
-        raise ValueError(f"{what} = {width} tokens > model {model_cfg.get('name')}'s max_position_embeddings "
-                         f"{limit}: lower them or use a model with more positions")
 
 
 def stored_path(path: str | Path) -> str:

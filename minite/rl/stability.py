@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 
 from minite import distributed as D
 from minite.diagnostics.metrics import align_trainer_logprobs, mismatch_metrics
+from minite.engines.models import check_positions
 from minite.engines.sync import sync_weights
 from minite.provenance import append_jsonl, provenance, write_json
 from minite.rl import checkpoints as ck
@@ -60,7 +61,7 @@ from minite.rl import data_parallel as dp
 from minite.rl.drift import CollapseDetector, DriftAlarm, DriftWatch, lead_steps
 from minite.rl.grpo import group_advantages, make_loss_fn, tis_weights
 from minite.rl.rollout import sequence_accuracy
-from minite.rl.spec import RunSpec, check_positions, stored_path
+from minite.rl.spec import RunSpec, stored_path
 from minite.rl.step_metrics import StepMetrics
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,8 @@ def _run(spec: RunSpec, sc: StepConfig, out: Path, steps: int, every: int, progr
     arm, cfg = spec.arm, spec.cfg
     run_id = spec.run_id()
     ck.check_run_id(out, run_id)
-    done = D.broadcast_object(max((s for s, _ in ck.checkpoints(out)), default=0))
+    cks = D.broadcast_object(ck.checkpoints(out))     # rank 0's view of the directory decides
+    done, last = cks[-1] if cks else (0, None)
     if done > steps:  # else a lowered --steps (a pipeline config set back) keeps the longer run without a word
         raise ValueError(f"{out} already holds {done} steps; --steps {steps} cannot shorten a run: give --steps "
                          f">= {done}, or a new --out (delete {out} to start over)")
@@ -232,7 +234,6 @@ def _run(spec: RunSpec, sc: StepConfig, out: Path, steps: int, every: int, progr
     watch = DriftWatch(cfg["metrics"]["watch"], **cfg["drift"])
     jsonl = out / "stability.jsonl"
     start, wall0 = 0, 0.0
-    last = D.broadcast_object(ck.latest_checkpoint(out))     # rank 0's view of the directory decides
     if last is not None:
         state = ck.load_checkpoint(last, loop.trainer)
         sync_weights(loop.trainer, loop.sampler)
